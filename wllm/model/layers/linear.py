@@ -1,0 +1,114 @@
+"""Linear layers whose weights load from HF tensors, fused shards, or GGUF quantized tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not fit the parameter (or shard) it is meant for."""
+
+
+def materialize(tensor: Any) -> torch.Tensor:
+    """Return a dense tensor: plain tensors pass through, quantized ones are dequantized.
+
+    GGUF quantized weights arrive as objects with a `dequantize()` method; on the CPU path
+    we store them dense in the model dtype (dequantized once at load).
+    """
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    dequant = getattr(tensor, "dequantize", None)
+    if dequant is None:
+        raise WeightShapeError(f"cannot load a weight of type {type(tensor).__name__}")
+    out = dequant()
+    return out if isinstance(out, torch.Tensor) else torch.as_tensor(out)
+
+
+def copy_into(dst: torch.Tensor, src: Any) -> None:
+    """Copy `src` into `dst` (any device/dtype), raising WeightShapeError on a shape mismatch."""
+    shape = getattr(src, "shape", None)
+    if shape is not None and tuple(shape) != tuple(dst.shape):
+        raise WeightShapeError(f"checkpoint shape {tuple(shape)} != model shape {tuple(dst.shape)}")
+    src = materialize(src)
+    if tuple(src.shape) != tuple(dst.shape):
+        raise WeightShapeError(f"checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
+    """Load a whole (unsharded) parameter."""
+    if shard_id is not None:
+        raise WeightShapeError(f"parameter is not sharded but got shard {shard_id!r}")
+    copy_into(param.data, loaded)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); weight [out_features, in_features] like nn.Linear, but never initialised
+    (weights always come from a checkpoint or the dummy loader)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dim (q|k|v, gate|up).
+
+    One matmul instead of several; checkpoint tensors for each part load into their slice via
+    `weight_loader(param, tensor, shard_id)`, and a checkpoint that is already fused (Phi-3)
+    loads whole with shard_id None.
+    """
+
+    def __init__(
+        self, in_features: int, shard_sizes: Sequence[int], shard_ids: Sequence[str], bias: bool
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias)
+        offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for sid, size in zip(shard_ids, shard_sizes, strict=True):
+            offsets[sid] = (start, size)
+            start += size
+        self.shard_offsets = offsets
+        self.shard_sizes = list(shard_sizes)
+        for p in self.parameters():
+            p.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded: Any, shard_id: str | None = None) -> None:
+        if shard_id is None:
+            copy_into(param.data, loaded)
+            return
+        if shard_id not in self.shard_offsets:
+            raise WeightShapeError(
+                f"unknown shard {shard_id!r}; expected one of {sorted(self.shard_offsets)}"
+            )
+        start, size = self.shard_offsets[shard_id]
+        copy_into(param.data.narrow(0, start, size), loaded)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split an output of this layer into its parts (views, no copy)."""
+        return tuple(y.split(self.shard_sizes, dim=-1))
+
+
+class QKVLinear(MergedLinear):
+    """Fused q/k/v projection for grouped-query attention."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, (q, kv, kv), ("q", "k", "v"), bias)

@@ -1,0 +1,47 @@
+"""Activations and the gated (SwiGLU / GeGLU) MLP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wllm.model.layers.linear import Linear, MergedLinear
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation function for an HF `hidden_act` name."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}"
+        ) from None
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, (intermediate_size, intermediate_size), ("gate", "up"), bias
+        )
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.act = get_activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,12 @@
+"""Qwen2 / Qwen2.5: Llama layout with bias on q/k/v (not on o_proj)."""
+
+from __future__ import annotations
+
+from wllm.model.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 decoder-only LM."""
+
+    qkv_bias = True
+    o_bias = False
