@@ -1,0 +1,171 @@
+"""Loads the prebuilt kernel library once and binds its C ABI with ctypes.
+
+The library sits in wllm/_lib/ (libwllm_kernels.so or wllm_kernels.dll) with a build_info.json
+describing which SMs each toolkit leg compiled. A secondary leg's entry points carry a suffix
+(`wllm_rms_norm__cuda12`); the loader picks, per process, the first leg with code for the GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
+LIB_NAME = "wllm_kernels.dll" if sys.platform == "win32" else "libwllm_kernels.so"
+ABI_VERSION = 1
+
+WLLM_OK = 0
+WLLM_ERR_NO_KERNEL_IMAGE = 3
+
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+c_int, c_int64, c_float, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+# name -> argument types (all functions return int status, except wllm_last_error).
+SIGNATURES: dict[str, list] = {
+    "wllm_abi_version": [],
+    "wllm_device_check": [c_int, ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
+    "wllm_rms_norm": [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_float, c_float,
+                      c_int, c_void_p],
+    "wllm_fused_add_rms_norm": [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_float,
+                                c_float, c_int, c_void_p],
+    "wllm_rotary_embedding": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int,
+                              c_int64, c_int64, c_int64, c_int, c_int, c_void_p],
+}
+
+
+class KernelLibraryError(RuntimeError):
+    """The kernel library is missing, unloadable or has no code for this GPU."""
+
+
+class KernelError(RuntimeError):
+    """A kernel call returned an error code."""
+
+
+@dataclass
+class Binding:
+    """The entry points of one toolkit leg, ready to call."""
+
+    leg: str
+    functions: dict[str, ctypes._CFuncPtr]
+    last_error: ctypes._CFuncPtr
+    binary_sm: int
+    ptx_version: int
+
+    def __getattr__(self, name: str) -> ctypes._CFuncPtr:
+        try:
+            return self.functions[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def check(self, status: int, what: str) -> None:
+        """Raise KernelError carrying the library's message when status != 0."""
+        if status != WLLM_OK:
+            message = self.last_error().decode("utf-8", "replace")
+            raise KernelError(f"{what} failed (status {status}): {message}")
+
+
+def build_info() -> dict | None:
+    """Contents of build_info.json next to the library, or None if absent."""
+    path = LIB_DIR / "build_info.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def library_path() -> Path:
+    override = os.environ.get("WLLM_KERNEL_LIBRARY")
+    return Path(override) if override else LIB_DIR / LIB_NAME
+
+
+_lock = threading.Lock()
+_cdll: ctypes.CDLL | None = None
+_bindings: dict[int, Binding] = {}
+
+
+def _load_cdll() -> ctypes.CDLL:
+    global _cdll
+    if _cdll is None:
+        path = library_path()
+        if not path.is_file():
+            raise KernelLibraryError(
+                f"the wLLM CUDA kernel library is not installed ({path} is missing): this is a CPU-only "
+                "install (it was built without nvcc). Install a prebuilt wheel (`pip install --force-reinstall "
+                "wllm-server`) or rebuild with the CUDA toolkit on PATH."
+            )
+        try:
+            _cdll = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise KernelLibraryError(f"could not load the kernel library {path}: {exc}") from exc
+    return _cdll
+
+
+def _bind_leg(cdll: ctypes.CDLL, suffix: str) -> tuple[dict[str, ctypes._CFuncPtr], ctypes._CFuncPtr]:
+    functions = {}
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(cdll, name + suffix)
+        fn.argtypes = argtypes
+        fn.restype = c_int
+        functions[name] = fn
+    last_error = getattr(cdll, "wllm_last_error" + suffix)
+    last_error.argtypes = []
+    last_error.restype = ctypes.c_char_p
+    return functions, last_error
+
+
+def legs() -> list[tuple[str, str]]:
+    """(leg name, symbol suffix) of every toolkit leg in the library, primary first."""
+    info = build_info()
+    if info is None:
+        return [("primary", "")]
+    return [(leg["name"], leg["suffix"]) for leg in info["legs"]]
+
+
+def binding(device: int = 0) -> Binding:
+    """The entry points to use on a CUDA device: loads the library once and checks that some leg
+    holds code this GPU can run (prebuilt SASS or PTX it can JIT-compile)."""
+    cached = _bindings.get(device)
+    if cached is not None:
+        return cached
+    with _lock:
+        if device in _bindings:
+            return _bindings[device]
+        cdll = _load_cdll()
+        failures = []
+        for leg, suffix in legs():
+            try:
+                functions, last_error = _bind_leg(cdll, suffix)
+            except AttributeError:
+                failures.append(f"{leg}: entry points missing")
+                continue
+            abi = functions["wllm_abi_version"]()
+            if abi != ABI_VERSION:
+                raise KernelLibraryError(
+                    f"kernel library ABI {abi} does not match this wllm ({ABI_VERSION}); reinstall wllm-server"
+                )
+            sm, ptx = c_int(0), c_int(0)
+            status = functions["wllm_device_check"](device, ctypes.byref(sm), ctypes.byref(ptx))
+            if status == WLLM_OK:
+                _bindings[device] = Binding(leg, functions, last_error, sm.value, ptx.value)
+                return _bindings[device]
+            failures.append(f"{leg}: {last_error().decode('utf-8', 'replace')}")
+        info = build_info() or {}
+        built = sorted({sm for leg in info.get("legs", []) for sm in leg["sm"]})
+        raise KernelLibraryError(
+            f"the kernel library has no code for CUDA device {device} ({'; '.join(failures)}). "
+            f"It was built for SM {', '.join(built) or 'unknown'}; install a wheel built for your GPU."
+        )
+
+
+def available(device: int = 0) -> bool:
+    """True when kernels can run on this CUDA device (never raises)."""
+    try:
+        binding(device)
+        return True
+    except (KernelLibraryError, OSError):
+        return False

@@ -1,0 +1,197 @@
+"""Kernel entry points for model code: CUDA library on GPU tensors, PyTorch reference elsewhere.
+
+Each kernel is also registered as a `torch.library.custom_op` (namespace `wllm`) with a fake
+implementation, so torch.compile and graph capture can trace through it. Eager calls on CUDA take
+the raw ctypes binding directly: the custom-op dispatcher costs host time on every call, and the
+decode loop is host-bound on small models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wllm.kernels import _lib, reference
+
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+try:  # torch >= 2.3
+    from torch.compiler import is_compiling as _is_compiling
+except ImportError:  # pragma: no cover
+    def _is_compiling() -> bool:
+        return False
+
+
+def _dtype_code(t: torch.Tensor, what: str) -> int:
+    code = _DTYPES.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{what}: unsupported dtype {t.dtype}; supported: float32, float16, bfloat16")
+    return code
+
+
+def _check_same(what: str, ref: torch.Tensor, *others: torch.Tensor) -> None:
+    for other in others:
+        if other.dtype != ref.dtype or other.device != ref.device:
+            raise ValueError(f"{what}: tensors must share dtype and device, got {ref.dtype}@{ref.device} "
+                             f"and {other.dtype}@{other.device}")
+
+
+def _rows(t: torch.Tensor, hidden: int, what: str) -> torch.Tensor:
+    """A [rows, hidden] view of t whose last dimension is contiguous (no copy)."""
+    if t.shape[-1] != hidden:
+        raise ValueError(f"{what}: last dimension {t.shape[-1]} does not match weight size {hidden}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{what}: the last dimension must be contiguous")
+    try:
+        return t.view(-1, hidden)
+    except RuntimeError as exc:
+        raise ValueError(f"{what}: tensor of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed "
+                         "as rows; make it contiguous") from exc
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA paths (raw bindings)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cuda_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+    _check_same("rms_norm", x, weight)
+    code = _dtype_code(x, "rms_norm")
+    hidden = weight.numel()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = x.reshape(-1, hidden) if x.shape[-1] == hidden else _rows(x, hidden, "rms_norm")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    lib = _lib.binding(x.device.index or 0)
+    lib.check(lib.wllm_rms_norm(out.data_ptr(), x2.data_ptr(), weight.contiguous().data_ptr(), x2.shape[0],
+                                hidden, hidden, x2.stride(0), eps, weight_offset, code, _stream(x)),
+              "rms_norm")
+    return out
+
+
+def _cuda_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             weight_offset: float) -> None:
+    _check_same("fused_add_rms_norm", x, residual, weight)
+    code = _dtype_code(x, "fused_add_rms_norm")
+    hidden = weight.numel()
+    x2 = _rows(x, hidden, "fused_add_rms_norm x")
+    r2 = _rows(residual, hidden, "fused_add_rms_norm residual")
+    if x2.shape != r2.shape:
+        raise ValueError(f"fused_add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    lib = _lib.binding(x.device.index or 0)
+    lib.check(lib.wllm_fused_add_rms_norm(x2.data_ptr(), r2.data_ptr(), weight.contiguous().data_ptr(),
+                                          x2.shape[0], hidden, x2.stride(0), r2.stride(0), eps, weight_offset,
+                                          code, _stream(x)),
+              "fused_add_rms_norm")
+
+
+def _heads(t: torch.Tensor, head_size: int, what: str) -> tuple[int, int]:
+    """(num_heads, token stride) of a [T, H*D] or [T, H, D] tensor with contiguous heads."""
+    if t.dim() not in (2, 3) or t.stride(-1) != 1:
+        raise ValueError(f"rotary_embedding: {what} must be [T, H*D] or [T, H, D] with a contiguous last dim")
+    if t.dim() == 3 and t.stride(1) != head_size:
+        raise ValueError(f"rotary_embedding: heads of {what} must be contiguous within a token")
+    per_token = t.shape[1] * (t.shape[2] if t.dim() == 3 else 1)
+    if per_token % head_size:
+        raise ValueError(f"rotary_embedding: {what} width {per_token} is not a multiple of head_size {head_size}")
+    return per_token // head_size, t.stride(0)
+
+
+def _cuda_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, head_size: int,
+                 cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    if k is not None:
+        _check_same("rotary_embedding", q, k)
+    code = _dtype_code(q, "rotary_embedding")
+    if positions.dtype != torch.int64 or cos_sin_cache.dtype != torch.float32:
+        raise TypeError("rotary_embedding: positions must be int64 and cos_sin_cache float32")
+    if positions.numel() != q.shape[0] or (k is not None and k.shape[0] != q.shape[0]):
+        raise ValueError("rotary_embedding: positions, q and k must have the same number of tokens")
+    num_heads, q_stride = _heads(q, head_size, "q")
+    num_kv_heads, k_stride = _heads(k, head_size, "k") if k is not None else (0, 0)
+    cache = cos_sin_cache.contiguous()
+    lib = _lib.binding(q.device.index or 0)
+    lib.check(lib.wllm_rotary_embedding(positions.contiguous().data_ptr(), q.data_ptr(),
+                                        k.data_ptr() if k is not None else None, cache.data_ptr(),
+                                        q.shape[0], num_heads, num_kv_heads, head_size, cache.shape[1],
+                                        q_stride, k_stride, cache.shape[0], int(is_neox), code, _stream(q)),
+              "rotary_embedding")
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (for torch.compile / tracing) and the public functions
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("wllm::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+    if x.is_cuda:
+        return _cuda_rms_norm(x, weight, eps, weight_offset)
+    return reference.rms_norm(x, weight, eps, weight_offset)
+
+
+@rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("wllm::fused_add_rms_norm", mutates_args=("x", "residual"))
+def fused_add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                          weight_offset: float) -> None:
+    if x.is_cuda:
+        _cuda_fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+    else:
+        reference.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+
+
+@fused_add_rms_norm_op.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float) -> None:
+    return None
+
+
+@torch.library.custom_op("wllm::rotary_embedding", mutates_args=("q", "k"))
+def rotary_embedding_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, head_size: int,
+                        cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    if q.is_cuda:
+        _cuda_rotary(positions, q, k, head_size, cos_sin_cache, is_neox)
+    else:
+        reference.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)
+
+
+@rotary_embedding_op.register_fake
+def _(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, head_size: int,
+      cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dim: x / rms(x) * (weight + weight_offset) (Gemma uses offset 1)."""
+    if not x.is_cuda:
+        return reference.rms_norm(x, weight, eps, weight_offset)
+    if _is_compiling():
+        return rms_norm_op(x, weight, eps, weight_offset)
+    return _cuda_rms_norm(x, weight, eps, weight_offset)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       weight_offset: float = 0.0) -> None:
+    """In place: residual += x (rounded to dtype), then x = rms_norm(residual)."""
+    if not x.is_cuda:
+        reference.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+    elif _is_compiling():
+        fused_add_rms_norm_op(x, residual, weight, eps, weight_offset)
+    else:
+        _cuda_fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, head_size: int,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """In-place rotary embedding of q and k ([T, H*D] or [T, H, D]); see reference.rotary_embedding."""
+    if not q.is_cuda:
+        reference.rotary_embedding(positions, q, k, head_size, cos_sin_cache, is_neox)
+    elif _is_compiling():
+        rotary_embedding_op(positions, q, k, head_size, cos_sin_cache, is_neox)
+    else:
+        _cuda_rotary(positions, q, k, head_size, cos_sin_cache, is_neox)
