@@ -1,0 +1,225 @@
+"""Kernel references against float64 math (CPU, CI) and CUDA kernels against the references (-m cuda)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from wllm import kernels
+from wllm.kernels import _lib, reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def _rms_norm64(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    x = x.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (w.double() + offset)
+
+
+def _rotate64(x: torch.Tensor, pos: torch.Tensor, head_size: int, rot_dim: int, base: float, neox: bool):
+    """float64 rotary of x [T, H*D] from first principles (angles computed in float64)."""
+    t = x.double().view(x.shape[0], -1, head_size).clone()
+    half = rot_dim // 2
+    inv = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    ang = pos.double()[:, None] * inv[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    if neox:
+        a, b = t[..., :half].clone(), t[..., half:rot_dim].clone()
+        t[..., :half], t[..., half:rot_dim] = a * cos - b * sin, b * cos + a * sin
+    else:
+        a, b = t[..., 0:rot_dim:2].clone(), t[..., 1:rot_dim:2].clone()
+        t[..., 0:rot_dim:2], t[..., 1:rot_dim:2] = a * cos - b * sin, b * cos + a * sin
+    return t.view(x.shape[0], -1)
+
+
+# ------------------------------------------------------------------------------------------
+# References vs float64 (CPU)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8), (7, 37), (5, 4099)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_reference_vs_float64(dtype: torch.dtype, shape: tuple[int, int], offset: float) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(shape) * 3).to(dtype)
+    w = torch.randn(shape[-1]).to(dtype)
+    out = reference.rms_norm(x, w, 1e-6, offset)
+    assert out.dtype == dtype
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.double(), _rms_norm64(x, w, 1e-6, offset), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_reference_vs_float64(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(9, 129).to(dtype)
+    res = torch.randn(9, 129).to(dtype)
+    w = torch.randn(129).to(dtype)
+    summed = (x.double() + res.double()).to(dtype)  # the residual stream is kept in dtype
+    x2, res2 = x.clone(), res.clone()
+    kernels.fused_add_rms_norm(x2, res2, w, 1e-5)
+    assert torch.equal(res2, summed)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(x2.double(), _rms_norm64(summed, w, 1e-5, 0.0), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (80, 80), (128, 64)])
+def test_rotary_reference_vs_float64(dtype: torch.dtype, neox: bool, head_size: int, rot_dim: int) -> None:
+    torch.manual_seed(2)
+    tokens, heads, kv_heads = 11, 3, 1
+    # q and k are slices of a fused qkv row, as attention layers pass them.
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size).to(dtype)
+    q, k = qkv[:, : heads * head_size], qkv[:, heads * head_size : (heads + kv_heads) * head_size]
+    v_before = qkv[:, (heads + kv_heads) * head_size :].clone()
+    pos = torch.randint(0, 300, (tokens,))
+    want_q = _rotate64(q, pos, head_size, rot_dim, 10000.0, neox)
+    want_k = _rotate64(k, pos, head_size, rot_dim, 10000.0, neox)
+    cache = kernels.rotary_cos_sin_cache(512, rot_dim, 10000.0)
+    kernels.rotary_embedding(pos, q, k, head_size, cache, neox)
+    rtol, atol = TOL[dtype]
+    # fp32 angles of positions up to 300 carry ~3e-5 rad of rounding, as in HF transformers.
+    atol = max(atol, 1e-4)
+    torch.testing.assert_close(q.double(), want_q, rtol=rtol, atol=atol)
+    torch.testing.assert_close(k.double(), want_k, rtol=rtol, atol=atol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], v_before)
+
+
+def test_cos_sin_cache_layout() -> None:
+    cache = kernels.rotary_cos_sin_cache(4, 8, 10000.0)
+    assert cache.shape == (4, 8) and cache.dtype == torch.float32
+    assert torch.equal(cache[0], torch.tensor([1.0] * 4 + [0.0] * 4))
+    assert math.isclose(cache[1, 0].item(), math.cos(1.0), rel_tol=1e-6)
+    assert math.isclose(cache[1, 4].item(), math.sin(1.0), rel_tol=1e-6)
+
+
+def test_custom_ops_pass_opcheck() -> None:
+    torch.manual_seed(3)
+    x, w = torch.randn(4, 16), torch.randn(16)
+    torch.library.opcheck(torch.ops.wllm.rms_norm.default, (x, w, 1e-6, 0.0))
+    torch.library.opcheck(torch.ops.wllm.fused_add_rms_norm.default, (x.clone(), x.clone(), w, 1e-6, 0.0))
+    pos = torch.arange(4)
+    cache = kernels.rotary_cos_sin_cache(8, 8)
+    torch.library.opcheck(torch.ops.wllm.rotary_embedding.default,
+                          (pos, torch.randn(4, 16), torch.randn(4, 8), 8, cache, True))
+
+
+def test_missing_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("WLLM_KERNEL_LIBRARY", str(tmp_path / "nothing.so"))
+    monkeypatch.setattr(_lib, "_cdll", None)
+    monkeypatch.setattr(_lib, "_bindings", {})
+    with pytest.raises(kernels.KernelLibraryError, match="CPU-only install"):
+        _lib.binding(0)
+    assert kernels.available() is False
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA kernels vs references (GPU machine)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_device_check_reports_this_sm() -> None:
+    b = _lib.binding(0)
+    major, minor = torch.cuda.get_device_capability(0)
+    assert b.binary_sm == major * 10 + minor or b.ptx_version > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 37), (33, 4096), (3, 8193)])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_cuda(dtype: torch.dtype, shape: tuple[int, int], offset: float) -> None:
+    torch.manual_seed(4)
+    x = (torch.randn(shape, device="cuda") * 2).to(dtype)
+    w = torch.randn(shape[-1], device="cuda").to(dtype)
+    out = kernels.rms_norm(x, w, 1e-6, offset)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6, offset), rtol=rtol, atol=atol)
+    # A strided input (every other row) goes through the row stride.
+    xs = x[::2]
+    torch.testing.assert_close(kernels.rms_norm(xs, w, 1e-6, offset), reference.rms_norm(xs, w, 1e-6, offset),
+                               rtol=rtol, atol=atol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 37), (17, 2048), (2, 5120)])
+def test_fused_add_rms_norm_cuda(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.manual_seed(5)
+    x = torch.randn(shape, device="cuda").to(dtype)
+    res = torch.randn(shape, device="cuda").to(dtype)
+    w = torch.randn(shape[-1], device="cuda").to(dtype)
+    x_ref, res_ref = x.clone(), res.clone()
+    reference.fused_add_rms_norm(x_ref, res_ref, w, 1e-6, 0.0)
+    kernels.fused_add_rms_norm(x, res, w, 1e-6)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(res, res_ref, rtol=0, atol=0)
+    torch.testing.assert_close(x, x_ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("head_size,rot_dim,heads,kv_heads", [(64, 64, 14, 2), (80, 80, 5, 5), (96, 96, 3, 1),
+                                                              (128, 128, 32, 8), (256, 128, 8, 4)])
+def test_rotary_cuda(dtype: torch.dtype, neox: bool, head_size: int, rot_dim: int, heads: int, kv_heads: int) -> None:
+    torch.manual_seed(6)
+    tokens = 37
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, device="cuda").to(dtype)
+    q, k = qkv[:, : heads * head_size], qkv[:, heads * head_size : (heads + kv_heads) * head_size]
+    pos = torch.randint(0, 4000, (tokens,), device="cuda")
+    cache = kernels.rotary_cos_sin_cache(4096, rot_dim, 500000.0).cuda()
+    q_ref, k_ref = q.clone(), k.clone()
+    reference.rotary_embedding(pos, q_ref, k_ref, head_size, cache, neox)
+    v_before = qkv[:, (heads + kv_heads) * head_size :].clone()
+    kernels.rotary_embedding(pos, q, k, head_size, cache, neox)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(q, q_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(k, k_ref, rtol=rtol, atol=atol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], v_before)
+
+
+@pytest.mark.cuda
+def test_kernels_inside_cuda_graph() -> None:
+    torch.manual_seed(7)
+    dtype, tokens, heads, head_size, hidden = torch.bfloat16, 16, 4, 64, 256
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    res = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    w = torch.randn(hidden, device="cuda", dtype=dtype)
+    q = torch.randn(tokens, heads * head_size, device="cuda", dtype=dtype)
+    pos = torch.arange(tokens, device="cuda")
+    cache = kernels.rotary_cos_sin_cache(1024, head_size).cuda()
+
+    def step() -> torch.Tensor:
+        kernels.fused_add_rms_norm(x, res, w, 1e-6)
+        kernels.rotary_embedding(pos, q, None, head_size, cache, True)
+        return kernels.rms_norm(res, w, 1e-6)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for trial in range(3):
+        x.copy_(torch.randn_like(x))
+        res.copy_(torch.randn_like(res))
+        q.copy_(torch.randn_like(q))
+        pos.copy_(torch.randint(0, 1024, (tokens,), device="cuda"))
+        x_ref, res_ref, q_ref = x.clone(), res.clone(), q.clone()
+        reference.fused_add_rms_norm(x_ref, res_ref, w, 1e-6)
+        reference.rotary_embedding(pos, q_ref, None, head_size, cache, True)
+        out_ref = reference.rms_norm(res_ref, w, 1e-6)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(x, x_ref, rtol=1.6e-2, atol=1.6e-2, msg=f"replay {trial}")
+        torch.testing.assert_close(q, q_ref, rtol=1.6e-2, atol=1.6e-2)
+        torch.testing.assert_close(out, out_ref, rtol=1.6e-2, atol=1.6e-2)
