@@ -14,19 +14,21 @@ class WeightShapeError(ValueError):
     """A checkpoint tensor does not fit the parameter (or shard) it is meant for."""
 
 
-def materialize(tensor: Any) -> torch.Tensor:
+def materialize(
+    tensor: Any, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Return a dense tensor: plain tensors pass through, quantized ones are dequantized.
 
-    GGUF quantized weights arrive as objects with a `dequantize()` method; on the CPU path
-    we store them dense in the model dtype (dequantized once at load).
+    GGUF quantized weights arrive as `QuantizedTensor`s (anything with
+    `dequantize(dtype, device)`); we store them dense in the model dtype, dequantized once at
+    load on the parameter's device (moving the packed bytes is cheaper than moving floats).
     """
     if isinstance(tensor, torch.Tensor):
         return tensor
     dequant = getattr(tensor, "dequantize", None)
     if dequant is None:
         raise WeightShapeError(f"cannot load a weight of type {type(tensor).__name__}")
-    out = dequant()
-    return out if isinstance(out, torch.Tensor) else torch.as_tensor(out)
+    return dequant(dtype=dtype, device=device)
 
 
 def copy_into(dst: torch.Tensor, src: Any) -> None:
@@ -34,7 +36,7 @@ def copy_into(dst: torch.Tensor, src: Any) -> None:
     shape = getattr(src, "shape", None)
     if shape is not None and tuple(shape) != tuple(dst.shape):
         raise WeightShapeError(f"checkpoint shape {tuple(shape)} != model shape {tuple(dst.shape)}")
-    src = materialize(src)
+    src = materialize(src, dst.dtype, dst.device)
     if tuple(src.shape) != tuple(dst.shape):
         raise WeightShapeError(f"checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
     with torch.no_grad():
@@ -74,9 +76,7 @@ class MergedLinear(Linear):
     loads whole with shard_id None.
     """
 
-    def __init__(
-        self, in_features: int, shard_sizes: Sequence[int], shard_ids: Sequence[str], bias: bool
-    ) -> None:
+    def __init__(self, in_features: int, shard_sizes: Sequence[int], shard_ids: Sequence[str], bias: bool) -> None:
         super().__init__(in_features, sum(shard_sizes), bias)
         offsets: dict[str, tuple[int, int]] = {}
         start = 0
@@ -93,9 +93,7 @@ class MergedLinear(Linear):
             copy_into(param.data, loaded)
             return
         if shard_id not in self.shard_offsets:
-            raise WeightShapeError(
-                f"unknown shard {shard_id!r}; expected one of {sorted(self.shard_offsets)}"
-            )
+            raise WeightShapeError(f"unknown shard {shard_id!r}; expected one of {sorted(self.shard_offsets)}")
         start, size = self.shard_offsets[shard_id]
         copy_into(param.data.narrow(0, start, size), loaded)
 
@@ -107,8 +105,6 @@ class MergedLinear(Linear):
 class QKVLinear(MergedLinear):
     """Fused q/k/v projection for grouped-query attention."""
 
-    def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
-    ) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
         q, kv = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, (q, kv, kv), ("q", "k", "v"), bias)

@@ -26,9 +26,7 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(
-            f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}"
-        ) from None
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}") from None
 
 
 class GatedMLP(nn.Module):
@@ -36,9 +34,7 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, (intermediate_size, intermediate_size), ("gate", "up"), bias
-        )
+        self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size), ("gate", "up"), bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
         self.act = get_activation(act)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wllm.model.layers.ops import fused_add_rms_norm, rms_norm
+from wllm.kernels import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wllm.kernels import rotary_embedding
 from wllm.model.config import ModelConfig, rope_attention_factor, rope_inv_freq
-from wllm.model.layers.ops import rotary_embedding
 
 
 class RotaryEmbedding(nn.Module):
