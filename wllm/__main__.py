@@ -1,0 +1,5 @@
+import sys
+
+from wllm.cli import main
+
+sys.exit(main())
