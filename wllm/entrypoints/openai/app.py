@@ -1,0 +1,195 @@
+"""The Litestar application: routes, auth and rate-limit guard, CORS, body limit, error bodies.
+
+`create_app(engine, config)` builds an app around anything that satisfies `EngineClient`; the
+`wllm serve` command passes the real AsyncEngine, tests pass a scripted fake.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Litestar, Request, Response, Router, get, post
+from litestar.config.cors import CORSConfig
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.handlers.base import BaseRouteHandler
+from litestar.middleware.base import DefineMiddleware
+from litestar.openapi import OpenAPIConfig
+from opentelemetry.sdk.trace import TracerProvider
+
+from wllm.entrypoints.openai.auth import bearer_token
+from wllm.entrypoints.openai.config import ServerConfig
+from wllm.entrypoints.openai.engine_client import EngineClient
+from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
+from wllm.entrypoints.openai.middleware import ObservabilityMiddleware, client_host
+from wllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from wllm.entrypoints.openai.rate_limit import RateLimited
+from wllm.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
+from wllm.entrypoints.openai.serving_common import STATE_KEY, ClientDisconnected, RequestRecord, ServerContext
+from wllm.entrypoints.openai.serving_completions import create_completion
+from wllm.observability.metrics import CONTENT_TYPE, ServerMetrics
+from wllm.observability.tracing import RequestTracer
+from wllm.version import __version__
+
+
+def _ctx(connection: ASGIConnection[Any, Any, Any, Any]) -> ServerContext:
+    return connection.app.state["server"]
+
+
+def _record(connection: ASGIConnection[Any, Any, Any, Any]) -> RequestRecord:
+    record = connection.scope.get("state", {}).get(STATE_KEY)
+    if record is None:  # only when the middleware is bypassed (never in the served app)
+        record = RequestRecord()
+        connection.scope.setdefault("state", {})[STATE_KEY] = record  # type: ignore[typeddict-item]
+    return record
+
+
+def access_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """API key check (401) then per-key or per-IP token buckets (429 + Retry-After)."""
+    ctx = _ctx(connection)
+    record = _record(connection)
+    if ctx.keys.enabled:
+        presented = bearer_token(connection.headers.get("authorization"), connection.headers.get("x-api-key"))
+        kid = ctx.keys.check(presented)
+        if kid is None:
+            message = ("Missing API key: send it as `Authorization: Bearer <key>`." if presented is None
+                       else "Incorrect API key provided.")
+            raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        record.key_id = kid
+    try:
+        ctx.limiter.acquire(record.key_id or client_host(connection.scope))
+    except RateLimited as exc:
+        raise APIError(429, f"{exc} for this {'key' if record.key_id else 'client'}; retry after "
+                       f"{exc.retry_after} s.", type="rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+
+
+@post("/v1/chat/completions", status_code=200, summary="Create a chat completion")
+async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Response[
+        ChatCompletionResponse]:
+    return await create_chat_completion(_ctx(request), data, request, _record(request))  # type: ignore[return-value]
+
+
+@post("/v1/completions", status_code=200, summary="Create a text completion")
+async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Response[CompletionResponse]:
+    return await create_completion(_ctx(request), data, request, _record(request))  # type: ignore[return-value]
+
+
+def _card(ctx: ServerContext, name: str) -> ModelCard:
+    return ModelCard(id=name, created=ctx.created, root=ctx.config.model_root, max_model_len=ctx.engine.max_model_len)
+
+
+@get("/v1/models", summary="List models")
+async def list_models(request: Request[Any, Any, Any]) -> ModelList:
+    ctx = _ctx(request)
+    return ModelList(data=[_card(ctx, name) for name in ctx.config.served_model_names])
+
+
+@get("/v1/models/{model_id:path}", summary="Retrieve a model")
+async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> ModelCard:
+    ctx = _ctx(request)
+    model_id = model_id.lstrip("/")
+    ctx.check_model(model_id)
+    return _card(ctx, model_id)
+
+
+@post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages")
+async def tokenize(request: Request[Any, Any, Any], data: TokenizeRequest) -> TokenizeResponse:
+    ctx = _ctx(request)
+    ctx.check_model(data.model)
+    if (data.prompt is None) == (data.messages is None):
+        raise bad_request("give exactly one of `prompt` or `messages`", param="prompt")
+    if data.messages is not None:
+        ids = chat_prompt_ids(ctx, data.messages, None, data.add_generation_prompt, None)
+    else:
+        ids = ctx.engine.tokenizer.encode(data.prompt or "", add_special_tokens=data.add_special_tokens)
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids)
+
+
+@post("/detokenize", status_code=200, summary="Turn token ids back into text")
+async def detokenize(request: Request[Any, Any, Any], data: DetokenizeRequest) -> DetokenizeResponse:
+    ctx = _ctx(request)
+    ctx.check_model(data.model)
+    vocab = getattr(ctx.engine.tokenizer, "vocab_size", None)
+    bad = [t for t in data.tokens if t < 0 or (isinstance(vocab, int) and t >= vocab)]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is out of range", param="tokens")
+    return DetokenizeResponse(prompt=ctx.engine.tokenizer.decode(data.tokens, skip_special_tokens=False))
+
+
+@get("/health", summary="200 while the engine is serving, 503 otherwise")
+async def health(request: Request[Any, Any, Any]) -> Response[HealthResponse]:
+    ctx = _ctx(request)
+    if ctx.engine.is_healthy():
+        return Response(HealthResponse(status="ok"))
+    return Response(HealthResponse(status="unhealthy"), status_code=503,
+                    headers={"Retry-After": str(ctx.config.retry_after_s)})
+
+
+@get("/metrics", summary="Prometheus metrics", include_in_schema=True)
+async def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
+    return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@get("/version", summary="Server version")
+async def version() -> VersionResponse:
+    return VersionResponse(version=__version__)
+
+
+@get("/openapi.json", include_in_schema=False)
+async def openapi_json(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    return request.app.openapi_schema.to_schema()
+
+
+def _disconnected(_: Request[Any, Any, Any], __: ClientDisconnected) -> Response[Any]:
+    # Nobody reads this; 499 ("client closed request", as nginx logs it) marks it in logs and metrics.
+    return error_response(APIError(499, "client closed the request"))
+
+
+def create_app(
+    engine: EngineClient,
+    config: ServerConfig | None = None,
+    *,
+    metrics: ServerMetrics | None = None,
+    tracer_provider: TracerProvider | None = None,
+) -> Litestar:
+    """The OpenAI-compatible app around `engine`. Tracing is on when a tracer provider is given."""
+    config = config or ServerConfig()
+    config.validate()
+    metrics = metrics or ServerMetrics()
+    metrics.attach_engine(engine.stats, engine.is_healthy)
+    tracer = RequestTracer(tracer_provider) if tracer_provider is not None else None
+    ctx = ServerContext(engine, config, metrics, tracer)
+    api = Router(path="/", guards=[access_guard],
+                 route_handlers=[chat_completions, completions, list_models, retrieve_model, tokenize, detokenize])
+    handlers = dict(EXCEPTION_HANDLERS)
+    handlers[ClientDisconnected] = _disconnected
+    cors = None
+    if config.cors_origins:
+        cors = CORSConfig(allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"],
+                          expose_headers=["Retry-After"])
+    return Litestar(
+        route_handlers=[api, health, metrics_endpoint, version, openapi_json],
+        exception_handlers=handlers,
+        middleware=[DefineMiddleware(ObservabilityMiddleware, ctx=ctx)],
+        cors_config=cors,
+        request_max_body_size=config.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="wLLM", version=__version__, path="/docs",
+                                     description="OpenAI-compatible LLM inference server"),
+        state=State({"server": ctx}),
+        logging_config=None,
+        debug=False,
+    )

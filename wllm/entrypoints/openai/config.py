@@ -1,0 +1,47 @@
+"""Settings of the HTTP layer (what `wllm serve` flags fill in besides the engine's own)."""
+
+from __future__ import annotations
+
+import msgspec
+
+MiB = 1 << 20
+
+
+class ServerConfig(msgspec.Struct, kw_only=True):
+    """Everything the OpenAI app needs to know besides the engine.
+
+    `served_model_names[0]` is the name reported in responses; any of them is accepted in
+    requests. Bounds (`max_n`, `max_stop`, ...) reject abusive requests with a 400 before they
+    reach the engine.
+    """
+
+    served_model_names: list[str] = msgspec.field(default_factory=lambda: ["default"])
+    model_root: str | None = None  # the model source the server was started with (shown in /v1/models)
+    api_keys: list[str] = msgspec.field(default_factory=list)
+    rate_limit_rpm: float | None = None
+    rate_limit_tpm: float | None = None
+    cors_origins: list[str] = msgspec.field(default_factory=list)
+    max_body_bytes: int = 16 * MiB
+    max_n: int = 16
+    max_stop: int = 16
+    max_stop_chars: int = 1024
+    max_logit_bias: int = 1024
+    max_logprobs: int = 20
+    retry_after_s: int = 1  # Retry-After sent with 503 when the queue is full or the engine is down
+
+    def __repr__(self) -> str:
+        # API keys must never appear in logs or tracebacks.
+        fields = {f: getattr(self, f) for f in self.__struct_fields__ if f != "api_keys"}
+        fields["api_keys"] = f"<{len(self.api_keys)} keys>"
+        return "ServerConfig(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+
+    def validate(self) -> None:
+        if not self.served_model_names or any(not n for n in self.served_model_names):
+            raise ValueError("served model names must be non-empty strings")
+        for name in ("max_body_bytes", "max_n", "max_stop", "max_stop_chars", "max_logit_bias", "max_logprobs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("rate_limit_rpm", "rate_limit_tpm"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")

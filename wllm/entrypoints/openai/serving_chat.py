@@ -1,0 +1,201 @@
+"""POST /v1/chat/completions: chat template -> engine -> one JSON response or an SSE stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
+from litestar.response import Stream
+
+from wllm.entrypoints.openai.errors import APIError, bad_request
+from wllm.entrypoints.openai.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+    TopLogprob,
+)
+from wllm.entrypoints.openai.serving_common import (
+    SYSTEM_FINGERPRINT,
+    EngineRun,
+    RequestRecord,
+    ServerContext,
+    build_sampling_params,
+    clean_logprob,
+    new_id,
+    resolve_max_tokens,
+    unless_disconnected,
+    usage_from,
+)
+from wllm.entrypoints.openai.sse import DONE, SSE_HEADERS, sse_event
+from wllm.outputs import RequestOutput, StepLogprobs
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect; multi-part text is joined with newlines."""
+    if not messages:
+        raise bad_request("messages must contain at least one message", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        content: str | None
+        if isinstance(msg.content, list):
+            texts = []
+            for part in msg.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}]: content parts of type {part.type!r} are not supported; "
+                                      "this server accepts text parts only", param=f"messages[{i}].content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        else:
+            content = msg.content
+        item: dict[str, Any] = {"role": msg.role, "content": content}
+        if msg.name is not None:
+            item["name"] = msg.name
+        if msg.tool_calls is not None:
+            item["tool_calls"] = msg.tool_calls
+        if msg.tool_call_id is not None:
+            item["tool_call_id"] = msg.tool_call_id
+        out.append(item)
+    return out
+
+
+def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                    add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
+    """Render the chat template and tokenize; template errors are the client's (400), with their text."""
+    tok = ctx.engine.tokenizer
+    try:
+        rendered = tok.apply_chat_template(template_messages(messages), tools=tools,
+                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    except APIError:
+        raise
+    except Exception as exc:  # jinja2 raises TemplateError, templates raise their own messages
+        raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
+    if isinstance(rendered, str):
+        # The template already wrote BOS and other special tokens as text.
+        return tok.encode(rendered, add_special_tokens=False)
+    return list(rendered)
+
+
+def chat_logprobs(ctx: ServerContext, steps: list[StepLogprobs], top_n: int) -> ChatLogprobs:
+    content = []
+    for step in steps:
+        text = ctx.token_text(step.token_id)
+        top = [TopLogprob(ctx.token_text(t.token_id), clean_logprob(t.logprob),
+                          list(ctx.token_text(t.token_id).encode())) for t in step.top[:top_n]]
+        content.append(ChatLogprobToken(text, clean_logprob(step.logprob), list(text.encode()), top))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request[Any, Any, Any],
+                                 record: RequestRecord) -> Response[Any] | Stream:
+    ctx.check_model(req.model)
+    ctx.check_healthy()
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported by this "
+                          "server; only 'text' is", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    top_n = req.top_logprobs or 0
+    prompt_ids = chat_prompt_ids(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(len(prompt_ids), requested, ctx.engine.max_model_len, "messages")
+    params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None)
+    request_id = new_id("chatcmpl")
+    record.request_id = request_id
+    run = EngineRun(ctx, record, prompt_ids, params, request_id, priority=req.priority, cache_salt=req.cache_salt)
+    model, created = ctx.model_name, int(time.time())
+
+    if not req.stream:
+        async def final() -> RequestOutput:
+            last = None
+            async for out in run.outputs():
+                last = out
+            assert last is not None
+            return last
+
+        out = await unless_disconnected(final(), request.receive)
+        choices = [
+            ChatCompletionChoice(
+                index=c.index,
+                message=ChatResponseMessage(role="assistant", content=c.text),
+                logprobs=chat_logprobs(ctx, c.logprobs or [], top_n) if req.logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in out.outputs
+        ]
+        body = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                      usage=usage_from([out]), system_fingerprint=SYSTEM_FINGERPRINT)
+        return Response(body)
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    outputs = run.outputs()
+    # Wait for the first output before sending headers so a full queue or a dead engine is a real 503.
+    first = await unless_disconnected(outputs.__anext__(), request.receive)
+
+    def chunk(choices: list[ChatChunkChoice]) -> bytes:
+        c = ChatCompletionChunk(id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT,
+                                choices=choices)
+        if include_usage:
+            c.usage = None
+        return sse_event(c)
+
+    async def events() -> AsyncIterator[bytes]:
+        sent_text = [0] * params.n
+        sent_lps = [0] * params.n
+        done = [False] * params.n
+        for i in range(params.n):
+            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+
+        def deltas(out: RequestOutput) -> list[bytes]:
+            frames = []
+            for c in out.outputs:
+                i = c.index
+                if done[i]:
+                    continue
+                text = c.text[sent_text[i]:]
+                steps = (c.logprobs or [])[sent_lps[i]:] if req.logprobs else []
+                if not text and not steps and c.finish_reason is None:
+                    continue
+                sent_text[i], sent_lps[i] = len(c.text), sent_lps[i] + len(steps)
+                delta = DeltaMessage(content=text) if text or steps else DeltaMessage()
+                lps = chat_logprobs(ctx, steps, top_n) if req.logprobs and steps else None
+                frames.append(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lps,
+                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
+                done[i] = c.finish_reason is not None
+            return frames
+
+        try:
+            last = first
+            for frame in deltas(first):
+                yield frame
+            async for out in outputs:
+                last = out
+                for frame in deltas(out):
+                    yield frame
+            if include_usage:
+                yield sse_event(ChatCompletionChunk(id=request_id, created=created, model=model,
+                                                    system_fingerprint=SYSTEM_FINGERPRINT, choices=[],
+                                                    usage=usage_from([last])))
+        except APIError as exc:
+            # Headers are gone already; OpenAI clients surface an `error` event as an APIError.
+            yield sse_event(exc.body())
+        finally:
+            await outputs.aclose()
+        yield DONE
+
+    async def cleanup() -> None:
+        if not run.finished:  # the client went away mid-stream
+            await run.abort()
+            record.error = record.error or "client disconnected"
+
+    return Stream(events(), media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(cleanup))

@@ -1,0 +1,338 @@
+"""Pieces shared by the chat and text completion handlers.
+
+`ServerContext` bundles the engine and the server-wide services. `EngineRun` drives one engine
+request: it maps engine errors to HTTP errors, feeds metrics, the request log and the trace,
+and aborts the engine request whenever its consumer stops early (client disconnect, error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from opentelemetry.trace import Span
+
+from wllm.entrypoints.openai.auth import APIKeyChecker
+from wllm.entrypoints.openai.config import ServerConfig
+from wllm.entrypoints.openai.engine_client import EngineClient, QueueFullError
+from wllm.entrypoints.openai.errors import APIError, bad_request, model_not_found, service_unavailable
+from wllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from wllm.entrypoints.openai.rate_limit import RateLimiter
+from wllm.observability.metrics import ServerMetrics
+from wllm.observability.tracing import RequestTracer
+from wllm.outputs import RequestOutput
+from wllm.sampling_params import SamplingParams
+from wllm.version import __version__
+
+T = TypeVar("T")
+
+SYSTEM_FINGERPRINT = f"wllm-{__version__}"
+STATE_KEY = "wllm_record"
+# JSON has no -inf; a masked-out token's logprob is reported as this (what vLLM does too).
+MIN_LOGPROB = -9999.0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class RequestRecord:
+    """What one HTTP request did, filled in by handlers and read by the access log and limiter."""
+
+    def __init__(self) -> None:
+        self.request_id: str | None = None
+        self.key_id: str | None = None
+        self.client: str | None = None
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self.queue_time: float | None = None
+        self.ttft: float | None = None
+        self.error: str | None = None
+        self.span: Span | None = None
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.request_id:
+            out["request_id"] = self.request_id
+        if self.key_id:
+            out["key_id"] = self.key_id
+        if self.request_id:
+            out.update(prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
+                       completion_tokens=self.completion_tokens)
+            out["queue_time_s"] = None if self.queue_time is None else round(self.queue_time, 6)
+            out["ttft_s"] = None if self.ttft is None else round(self.ttft, 6)
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+class ServerContext:
+    """The engine plus the server-wide services every handler uses."""
+
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: ServerMetrics,
+                 tracer: RequestTracer | None) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.tracer = tracer
+        self.keys = APIKeyChecker(config.api_keys)
+        self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.served_model_names:
+            raise model_not_found(model)
+
+    def check_healthy(self) -> None:
+        if not self.engine.is_healthy():
+            raise service_unavailable("The engine is not running; try again later.", self.config.retry_after_s)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of a single token, as shown in logprobs (cached: the vocabulary is fixed)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 1_000_000:
+                self._token_text[token_id] = text
+        return text
+
+
+def clean_logprob(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int, what: str) -> int:
+    """The completion budget; a prompt that does not fit is a 400, never silently truncated."""
+    if prompt_len == 0:
+        raise bad_request(f"The {what} is empty after tokenization.", param=what)
+    if requested is not None and requested < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {requested}", param="max_tokens")
+    if requested is None:
+        if prompt_len >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, your {what} "
+                f"resulted in {prompt_len} tokens, leaving no room for a completion. "
+                f"Please reduce the length of the {what}.",
+                param=what, code="context_length_exceeded")
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the {what}, {requested} in the completion). "
+            f"Please reduce the length of the {what} or completion.",
+            param=what, code="context_length_exceeded")
+    return requested
+
+
+def build_sampling_params(ctx: ServerContext, req: Any, *, max_tokens: int, logprobs: int | None,
+                          prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams from the fields chat and completions share, with the server's bounds enforced."""
+    cfg = ctx.config
+    if not 1 <= req.n <= cfg.max_n:
+        raise bad_request(f"n must be between 1 and {cfg.max_n}, got {req.n}", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > cfg.max_stop:
+        raise bad_request(f"at most {cfg.max_stop} stop sequences are allowed, got {len(stop)}", param="stop")
+    if any(len(s) > cfg.max_stop_chars for s in stop):
+        raise bad_request(f"stop sequences must be at most {cfg.max_stop_chars} characters", param="stop")
+    if logprobs is not None and not 0 <= logprobs <= cfg.max_logprobs:
+        raise bad_request(f"logprobs must be between 0 and {cfg.max_logprobs}, got {logprobs}", param="logprobs")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise bad_request("seed must fit in 64 bits", param="seed")
+    vocab = getattr(ctx.engine.tokenizer, "vocab_size", None)
+    bias: dict[int, float] | None = None
+    if req.logit_bias:
+        if len(req.logit_bias) > cfg.max_logit_bias:
+            raise bad_request(f"logit_bias may have at most {cfg.max_logit_bias} entries", param="logit_bias")
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if token_id < 0 or (isinstance(vocab, int) and token_id >= vocab):
+                raise bad_request(f"logit_bias token id {token_id} is out of range", param="logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+            bias[token_id] = float(value)
+    for token_id in req.stop_token_ids or []:
+        if token_id < 0 or (isinstance(vocab, int) and token_id >= vocab):
+            raise bad_request(f"stop_token_ids entry {token_id} is out of range", param="stop_token_ids")
+    params = SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=bias,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+    if params.temperature > 2.0 + 1e-9 and req.temperature is not None:
+        raise bad_request(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
+    try:
+        params.validate()
+    except ValueError as exc:
+        message = str(exc)
+        raise bad_request(message, param=message.split(" ", 1)[0]) from None
+    return params
+
+
+def usage_from(outputs: list[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class EngineRun:
+    """One engine request, observed: metrics, request record, trace phases, abort on early exit."""
+
+    def __init__(self, ctx: ServerContext, record: RequestRecord, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str, *, priority: int = 0, cache_salt: str | None = None) -> None:
+        self.ctx = ctx
+        self.record = record
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.request_id = request_id
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.finished = False
+        self.last: RequestOutput | None = None
+        self._arrival = time.monotonic()
+        self._first_token: float | None = None
+        self._last_token_time: float | None = None
+        self._tokens_seen = 0  # longest choice so far
+        self._generated = 0  # all choices together
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Engine outputs until finished; raises APIError for a full queue or an engine failure."""
+        ctx = self.ctx
+        try:
+            stream = ctx.engine.generate(self.prompt_ids, self.params, self.request_id,
+                                         priority=self.priority, cache_salt=self.cache_salt)
+            async for out in stream:
+                self._observe(out)
+                if out.error is not None:
+                    self.record.error = out.error
+                    raise APIError(500, f"The engine failed while generating: {out.error}", type="internal_error")
+                if out.finished:
+                    self.finished = True
+                yield out
+                if out.finished:
+                    return
+            if not self.finished:
+                raise APIError(500, "The engine stopped the request without finishing it", type="internal_error")
+        except QueueFullError:
+            raise service_unavailable("The server is at capacity (the request queue is full); try again shortly.",
+                                      ctx.config.retry_after_s) from None
+        finally:
+            if not self.finished:
+                await self.abort()
+            self._finish()
+
+    async def abort(self) -> None:
+        self.finished = True
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.ctx.engine.abort(self.request_id))
+
+    def _observe(self, out: RequestOutput) -> None:
+        self.last = out
+        generated = sum(len(c.token_ids) for c in out.outputs)
+        if generated <= self._generated:
+            return
+        now = time.monotonic()
+        metrics = self.ctx.metrics
+        metrics.record_generated(generated - self._generated, now)
+        self._generated = generated
+        longest = max(len(c.token_ids) for c in out.outputs)
+        if self._first_token is None:
+            self._first_token = now
+        elif self._last_token_time is not None:
+            # Several tokens may arrive in one output; spread the gap over them.
+            metrics.itl.observe((now - self._last_token_time) / max(1, longest - self._tokens_seen))
+        self._last_token_time = now
+        self._tokens_seen = longest
+
+    def _finish(self) -> None:
+        out, rec, metrics = self.last, self.record, self.ctx.metrics
+        if out is None:
+            return
+        m = out.metrics
+        arrival = m.arrival_time if m is not None else self._arrival
+        scheduled = m.first_scheduled_time if m is not None else None
+        first = (m.first_token_time if m is not None else None) or self._first_token
+        done = (m.finished_time if m is not None else None) or time.monotonic()
+        prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
+        rec.prompt_tokens += prompt
+        rec.cached_tokens += cached
+        rec.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        metrics.prompt_tokens.inc(prompt)
+        metrics.cached_prompt_tokens.inc(cached)
+        if scheduled is not None:
+            metrics.queue_time.observe(max(0.0, scheduled - arrival))
+            rec.queue_time = max(0.0, scheduled - arrival) if rec.queue_time is None else rec.queue_time
+        if first is not None:
+            metrics.ttft.observe(max(0.0, first - arrival))
+            rec.ttft = max(0.0, first - arrival) if rec.ttft is None else min(rec.ttft, first - arrival)
+        if out.finished:
+            metrics.e2e.observe(max(0.0, done - arrival))
+        if self.ctx.tracer is not None and rec.span is not None:
+            self.ctx.tracer.add_phases(rec.span, arrival, scheduled, first, done,
+                                       {"wllm.completion_tokens": sum(len(c.token_ids) for c in out.outputs)})
+
+
+async def until_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Return once the client has gone away (the ASGI server reports `http.disconnect`)."""
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            return
+
+
+async def unless_disconnected(work: Awaitable[T], receive: Callable[[], Awaitable[dict[str, Any]]]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await watcher
+    return task.result()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready; nothing more is sent."""

@@ -1,0 +1,258 @@
+"""POST /v1/completions: one or many prompts (text or token ids), `n` choices each, echo, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
+from litestar.response import Stream
+
+from wllm.entrypoints.openai.errors import APIError, bad_request
+from wllm.entrypoints.openai.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from wllm.entrypoints.openai.serving_common import (
+    SYSTEM_FINGERPRINT,
+    EngineRun,
+    RequestRecord,
+    ServerContext,
+    build_sampling_params,
+    clean_logprob,
+    new_id,
+    resolve_max_tokens,
+    unless_disconnected,
+    usage_from,
+)
+from wllm.entrypoints.openai.sse import DONE, SSE_HEADERS, sse_event
+from wllm.outputs import RequestOutput, StepLogprobs
+
+MAX_PROMPTS = 64  # prompts per request; each becomes its own engine request
+
+
+def parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
+    """Tell apart the four OpenAI prompt shapes: str, [str], [int], [[int]]."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        prompts: list[str | list[int]] = list(prompt)
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, list) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
+                          "token-id lists (not a mix)", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    for p in prompts:
+        if isinstance(p, list):
+            if not p:
+                raise bad_request("a token-id prompt must not be empty", param="prompt")
+            bad = [t for t in p if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            if bad:
+                raise bad_request(f"prompt token id {bad[0]} is out of range", param="prompt")
+    return prompts
+
+
+class _LogprobWriter:
+    """Builds a choice's CompletionLogprobs incrementally (text_offset continues across chunks)."""
+
+    def __init__(self, ctx: ServerContext, top_n: int) -> None:
+        self.ctx = ctx
+        self.top_n = top_n
+        self.offset = 0
+
+    def build(self, steps: list[StepLogprobs | None], token_ids: list[int]) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for token_id, step in zip(token_ids, steps):
+            text = self.ctx.token_text(token_id)
+            lp.tokens.append(text)
+            lp.text_offset.append(self.offset)
+            self.offset += len(text)
+            if step is None:  # the first prompt token has no logprob
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            lp.token_logprobs.append(clean_logprob(step.logprob))
+            top = {self.ctx.token_text(t.token_id): clean_logprob(t.logprob) for t in step.top[:self.top_n]}
+            top.setdefault(text, clean_logprob(step.logprob))
+            lp.top_logprobs.append(top)
+        return lp
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several engine streams as their outputs arrive; closing this closes them all."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except BaseException as exc:  # forwarded to the consumer, including cancellation
+            await queue.put((i, exc))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+async def create_completion(ctx: ServerContext, req: CompletionRequest, request: Request[Any, Any, Any],
+                            record: RequestRecord) -> Response[Any] | Stream:
+    ctx.check_model(req.model)
+    ctx.check_healthy()
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (only best_of equal to n)", param="best_of")
+    tok = ctx.engine.tokenizer
+    prompts = parse_prompts(req.prompt, getattr(tok, "vocab_size", None))
+    prompt_ids = [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+    top_n = req.logprobs
+    request_id = new_id("cmpl")
+    record.request_id = request_id
+    runs: list[EngineRun] = []
+    for i, ids in enumerate(prompt_ids):
+        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, ctx.engine.max_model_len, "prompt")
+        params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n,
+                                       prompt_logprobs=top_n if req.echo and top_n is not None else None)
+        runs.append(EngineRun(ctx, record, ids, params, f"{request_id}-{i}", priority=req.priority,
+                              cache_salt=req.cache_salt))
+    prompt_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]
+    n, model, created = req.n, ctx.model_name, int(time.time())
+
+    def prompt_part(i: int, out: RequestOutput, writer: _LogprobWriter | None) -> tuple[str, CompletionLogprobs | None]:
+        """What echo prepends to a choice: the prompt text and (with logprobs) its token logprobs."""
+        if not req.echo:
+            return "", None
+        if writer is None:
+            return prompt_texts[i], None
+        steps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
+        return prompt_texts[i], writer.build(steps, out.prompt_token_ids)
+
+    if not req.stream:
+        async def finals() -> list[RequestOutput]:
+            last: dict[int, RequestOutput] = {}
+            async for i, out in _merge([r.outputs() for r in runs]):
+                last[i] = out
+            return [last[i] for i in range(len(runs))]
+
+        outs = await unless_disconnected(finals(), request.receive)
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                writer = _LogprobWriter(ctx, top_n) if top_n is not None else None
+                text, lps = prompt_part(i, out, writer)
+                if writer is not None and lps is not None:
+                    gen = writer.build(list(c.logprobs or []), c.token_ids)
+                    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                        getattr(lps, field).extend(getattr(gen, field))
+                elif writer is not None:
+                    lps = writer.build(list(c.logprobs or []), c.token_ids)
+                choices.append(CompletionChoice(index=i * n + c.index, text=text + c.text, logprobs=lps,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return Response(CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                           usage=usage_from(outs), system_fingerprint=SYSTEM_FINGERPRINT))
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    merged = _merge([r.outputs() for r in runs])
+    first = await unless_disconnected(merged.__anext__(), request.receive)
+
+    def chunk(choice: CompletionChoice) -> bytes:
+        body = CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
+                                  system_fingerprint=SYSTEM_FINGERPRINT)
+        if include_usage:
+            body.usage = None
+        return sse_event(body)
+
+    async def events() -> AsyncIterator[bytes]:
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        writers: dict[int, _LogprobWriter] = {}
+        finished: set[int] = set()
+        last: dict[int, RequestOutput] = {}
+
+        def deltas(i: int, out: RequestOutput) -> list[bytes]:
+            frames = []
+            last[i] = out
+            for c in out.outputs:
+                idx = i * n + c.index
+                if idx in finished:
+                    continue
+                prefix, lps = "", None
+                if idx not in sent_text:  # first event of this choice: echo goes here
+                    sent_text[idx], sent_tokens[idx] = 0, 0
+                    if top_n is not None:
+                        writers[idx] = _LogprobWriter(ctx, top_n)
+                    prefix, lps = prompt_part(i, out, writers.get(idx))
+                text = c.text[sent_text[idx]:]
+                new_ids = c.token_ids[sent_tokens[idx]:]
+                if top_n is not None and new_ids:
+                    steps = list((c.logprobs or [])[sent_tokens[idx]:])
+                    gen = writers[idx].build(steps, new_ids)
+                    if lps is None:
+                        lps = gen
+                    else:
+                        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                            getattr(lps, field).extend(getattr(gen, field))
+                if not (prefix or text or lps or c.finish_reason):
+                    continue
+                sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                frames.append(chunk(CompletionChoice(index=idx, text=prefix + text, logprobs=lps,
+                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+                if c.finish_reason is not None:
+                    finished.add(idx)
+            return frames
+
+        try:
+            for frame in deltas(*first):
+                yield frame
+            async for i, out in merged:
+                for frame in deltas(i, out):
+                    yield frame
+            if include_usage:
+                yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                                   usage=usage_from([last[i] for i in sorted(last)]),
+                                                   system_fingerprint=SYSTEM_FINGERPRINT))
+        except APIError as exc:
+            yield sse_event(exc.body())
+        finally:
+            await merged.aclose()
+        yield DONE
+
+    async def cleanup() -> None:
+        if not all(r.finished for r in runs):  # the client went away mid-stream
+            for r in runs:
+                if not r.finished:
+                    await r.abort()
+            record.error = record.error or "client disconnected"
+
+    return Stream(events(), media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(cleanup))
