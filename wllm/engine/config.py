@@ -1,0 +1,81 @@
+"""Settings of the engine core: KV cache and scheduler.
+
+Plain msgspec Structs so they can cross a process boundary and be filled from CLI flags.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+GiB = 1 << 30
+
+
+class CacheConfig(msgspec.Struct, kw_only=True):
+    """How the paged KV cache is sized.
+
+    On CUDA the number of blocks comes from `gpu_memory_utilization` of the card after a profiling
+    forward pass, unless `num_gpu_blocks` is given. On the CPU it comes from `kv_cache_memory`
+    (bytes) unless `num_gpu_blocks` is given. `swap_space` is the size in GiB of the CPU pool that
+    preempted requests are swapped to; 0 disables swapping (preemption then always recomputes).
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    kv_cache_memory: int = 1 * GiB
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 1.0
+    num_cpu_blocks: int | None = None  # overrides swap_space when set (tests)
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True):
+    """One token budget per step, shared by prefill chunks and decode tokens.
+
+    `max_waiting` bounds the waiting queue (0 = unbounded); a request beyond it is rejected with
+    `QueueFullError`. `policy` "fcfs" serves by arrival, "priority" by (priority, arrival) where a
+    lower priority value is served first.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_waiting: int = 0
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    max_model_len: int | None = None
+
+    def validate(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be non-negative, got {self.max_waiting}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Everything the engine needs besides the model and tokenizer objects."""
+
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    device: str = "auto"  # "auto" -> cuda when available, else cpu
+    dtype: str = "auto"  # "auto" -> the model's dtype
+    seed: int = 0  # seeds the random stream of requests that give no seed
+
+    def validate(self) -> None:
+        self.cache.validate()
+        self.scheduler.validate()

@@ -1,0 +1,169 @@
+"""Runs one scheduled step: block copies and swaps, the forward pass, logits and sampling.
+
+The runner owns the device KV cache and the CPU swap pool (see paged_attention.py for the
+layout) and turns a `SchedulerOutput` into flattened `input_ids[T]`, `positions[T]` and a
+`PagedAttentionContext`. Logits are computed only for rows that are sampled (the last token of
+a sequence whose chunk reaches its end) and for prompt positions whose logprobs were asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from wllm.engine.config import CacheConfig, GiB
+from wllm.engine.paged_attention import (
+    PagedAttentionContext,
+    allocate_kv_cache,
+    copy_blocks,
+    kv_cache_bytes_per_block,
+    swap_blocks,
+)
+from wllm.engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from wllm.engine.scheduler import SchedulerOutput, SeqResult
+
+logger = logging.getLogger(__name__)
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The activation dtype of a model: that of its first floating-point parameter or buffer."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+class ModelRunner:
+    """Holds the model, its paged KV cache and the swap pool; executes steps."""
+
+    def __init__(self, model: nn.Module, cache_config: CacheConfig, max_num_batched_tokens: int,
+                 dtype: torch.dtype | None = None) -> None:
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "num_hidden_layers"):
+            raise TypeError(f"{type(model).__name__} has no `config` with the layer shapes the KV cache needs")
+        self.model = model
+        self.device = model_device(model)
+        self.dtype = dtype or model_dtype(model)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.block_size = cache_config.block_size
+        self.block_bytes = kv_cache_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
+                                                    self.head_dim, self.dtype)
+        self.num_gpu_blocks = cache_config.num_gpu_blocks or self._blocks_from_memory(
+            cache_config, max_num_batched_tokens)
+        if cache_config.num_cpu_blocks is not None:
+            self.num_cpu_blocks = cache_config.num_cpu_blocks
+        else:
+            self.num_cpu_blocks = int(cache_config.swap_space * GiB) // self.block_bytes
+        self.kv_cache = allocate_kv_cache(self.num_layers, self.num_gpu_blocks, self.block_size,
+                                          self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        pin = self.device.type == "cuda"
+        self.cpu_cache = allocate_kv_cache(self.num_layers, self.num_cpu_blocks, self.block_size,
+                                           self.num_kv_heads, self.head_dim, self.dtype, "cpu", pin_memory=pin)
+        self.sampler = Sampler()
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %d CPU swap blocks",
+                    self.num_gpu_blocks, self.block_size, self.num_gpu_blocks * self.block_bytes / 2**20,
+                    self.device, self.num_cpu_blocks)
+
+    def _blocks_from_memory(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
+        if self.device.type != "cuda":
+            blocks = cache_config.kv_cache_memory // self.block_bytes
+        else:
+            blocks = self._profile_cuda(cache_config, max_num_batched_tokens)
+        if blocks < 1:
+            raise RuntimeError(
+                f"no room for the KV cache: one block of {self.block_size} tokens needs "
+                f"{self.block_bytes} bytes; raise kv_cache_memory / gpu_memory_utilization or set num_gpu_blocks"
+            )
+        return int(blocks)
+
+    @torch.inference_mode()
+    def _profile_cuda(self, cache_config: CacheConfig, num_tokens: int) -> int:
+        """Run the largest step once with a scratch cache, then size the KV cache from what is left."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        bs = self.block_size
+        scratch_blocks = -(-num_tokens // bs)
+        scratch = allocate_kv_cache(self.num_layers, scratch_blocks, bs, self.num_kv_heads, self.head_dim,
+                                    self.dtype, self.device)
+        ctx = PagedAttentionContext(scratch, [list(range(scratch_blocks))], [0], [num_tokens])
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), ctx)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch.numel() * scratch.element_size()
+        del scratch, ctx, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free_now - torch.cuda.memory_reserved(self.device)
+        budget = total * cache_config.gpu_memory_utilization - peak - max(used_by_others, 0)
+        return int(budget // self.block_bytes)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
+        """Run one step and return each scheduled sequence's sampled tokens and prompt logprobs."""
+        copy_blocks(self.kv_cache, out.blocks_to_copy)
+        swap_blocks(self.kv_cache, self.cpu_cache, out.blocks_to_swap_out)
+        swap_blocks(self.cpu_cache, self.kv_cache, out.blocks_to_swap_in)
+        if not out.seqs:
+            return {}
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        for s in out.seqs:
+            base = len(ids)
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            if s.prompt_logprob_targets:
+                first = base + s.prompt_logprob_start - s.start_pos
+                logit_rows.extend(range(first, first + len(s.prompt_logprob_targets)))
+            if s.num_samples:
+                logit_rows.append(base + len(s.token_ids) - 1)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ctx = PagedAttentionContext(self.kv_cache, [s.block_ids for s in out.seqs],
+                                    [s.start_pos for s in out.seqs], [len(s.token_ids) for s in out.seqs])
+        hidden = self.model(input_ids, pos, ctx)
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])
+
+        results: dict[str, SeqResult] = {}
+        sample_logits: list[int] = []
+        rows = []
+        owners: list[str] = []
+        r = 0
+        for s in out.seqs:
+            result = SeqResult([])
+            if s.prompt_logprob_targets:
+                n = len(s.prompt_logprob_targets)
+                result.prompt_logprobs = prompt_logprobs(logits[r:r + n], s.prompt_logprob_targets,
+                                                         s.prompt_logprobs or 0)
+                r += n
+            if s.num_samples:
+                assert s.sampling is not None
+                for k in range(s.num_samples):
+                    row = s.sampling if k == 0 else _fork_row(s.sampling, k)
+                    rows.append(row)
+                    sample_logits.append(r)
+                    owners.append(s.seq_id)
+                r += 1
+            results[s.seq_id] = result
+        if rows:
+            sampled = self.sampler(logits[torch.tensor(sample_logits, dtype=torch.long, device=logits.device)], rows)
+            for owner, tok in zip(owners, sampled):
+                results[owner].sampled.append(tok)
+        return results
+
+
+def _fork_row(row: SamplingRow, index: int) -> SamplingRow:
+    """The sampling row of the `index`-th sequence forked from a prompt (no outputs yet)."""
+    return SamplingRow(row.params, row.seed, index, row.prompt_token_ids, [], row.eos_token_ids)

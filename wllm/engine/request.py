@@ -1,0 +1,137 @@
+"""Request state inside the engine.
+
+A user request (`RequestGroup`) asks for `n` sequences. The scheduler only sees `Sequence`s:
+the first one is queued at once; the other `n - 1` are forked from it when its prompt is done,
+sharing the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from wllm.outputs import RequestMetrics, StepLogprobs
+from wllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from wllm.engine.block_pool import KVBlock
+    from wllm.engine.stop_checker import TextState
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting`; the caller should retry later (HTTP 503/429)."""
+
+
+class Sequence:
+    """One generated sequence: its tokens, KV blocks and sampling state."""
+
+    def __init__(self, group: RequestGroup, index: int, output_token_ids: list[int] | None = None) -> None:
+        self.group = group
+        self.index = index
+        self.seq_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
+        self.prompt_token_ids = group.prompt_token_ids
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling; -1 = not yet
+        self.blocks: list[KVBlock] = []
+        self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
+        self.block_hashes: list[bytes] = []
+        self.swapped_cpu_blocks: list[int] = []
+        self.logprobs: list[StepLogprobs] | None = [] if group.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text_state: TextState | None = None  # set by the engine's output processor
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.group.params
+
+    @property
+    def priority(self) -> int:
+        return self.group.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.group.arrival_time
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
+                f"{self.num_tokens}, blocks={[b.block_id for b in self.blocks]})")
+
+
+class RequestGroup:
+    """A user request: one prompt, `params.n` sequences, and its bookkeeping."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_id: int = 0,
+        arrival_time: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.lora_id = lora_id
+        # The request's random stream; the engine draws one when params.seed is None.
+        self.seed = params.seed if params.seed is not None else seed
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.seqs: list[Sequence] = [Sequence(self, 0)]
+        self.num_pending_forks = params.n - 1
+        self.prompt_logprobs: list[StepLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.error: str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_pending_forks == 0 and all(s.is_finished for s in self.seqs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    @property
+    def extra_hash_key(self) -> bytes:
+        """What besides token ids distinguishes this request's KV content in the prefix cache."""
+        salt = self.cache_salt.encode() if self.cache_salt else b""
+        return self.lora_id.to_bytes(8, "little", signed=True) + len(salt).to_bytes(4, "little") + salt
