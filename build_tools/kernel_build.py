@@ -49,6 +49,7 @@ class Toolkit:
     sm: list[str]
     ptx: bool = False
     primary: bool = False
+    full_version: str = ""
 
     @property
     def suffix(self) -> str:
@@ -66,7 +67,8 @@ class Matrix:
 def load_matrix(path: Path = ROOT / "wheels.toml") -> Matrix:
     data = tomllib.loads(path.read_text(encoding="utf-8"))
     toolkits = [
-        Toolkit(name=t["name"], cuda=t["cuda"], sm=list(t["sm"]), ptx=bool(t.get("ptx", False)), primary=i == 0)
+        Toolkit(name=t["name"], cuda=t["cuda"], sm=list(t["sm"]), ptx=bool(t.get("ptx", False)), primary=i == 0,
+                full_version=t.get("full_version", t["cuda"]))
         for i, t in enumerate(data["toolkit"])
     ]
     return Matrix(sm=list(data["kernels"]["sm"]), ptx=data["kernels"]["ptx"], toolkits=toolkits,
@@ -187,7 +189,13 @@ def plan_legs(matrix: Matrix, archs_override: str | None) -> tuple[list[LegPlan]
                                f"set WLLM_CUDA_HOME_{toolkit.name.upper()} to build it")
             continue
         ptx_sm = matrix.ptx if toolkit.ptx else None
-        legs.append(LegPlan(toolkit, nvcc, nvcc_version(nvcc), list(toolkit.sm), ptx_sm))
+        sms = list(toolkit.sm)
+        # Test hook: WLLM_LEG_SM_<NAME>="9.0" rebuilds a leg for other SMs (and without PTX), so the
+        # loader's fallback from one leg to the next can be exercised on a single GPU.
+        leg_override = os.environ.get(f"WLLM_LEG_SM_{toolkit.name.upper()}")
+        if leg_override:
+            sms, ptx_sm = [a for a in re.split(r"[;, ]+", leg_override) if a], None
+        legs.append(LegPlan(toolkit, nvcc, nvcc_version(nvcc), sms, ptx_sm))
     return legs, missing
 
 
@@ -323,6 +331,8 @@ def build(out_dir: Path, build_dir: Path | None = None, archs_override: str | No
         "promised_sm": matrix.sm if not archs_override else [s for leg in legs for s in leg.sms],
         "missing_sm": missing,
         "override": archs_override or None,
+        "leg_overrides": {t.name: os.environ[f"WLLM_LEG_SM_{t.name.upper()}"] for t in matrix.toolkits
+                          if os.environ.get(f"WLLM_LEG_SM_{t.name.upper()}")},
         "objects_compiled": len(to_cache),
         "objects_from_cache": hits,
         "build_seconds": round(time.monotonic() - started, 1),

@@ -223,3 +223,29 @@ def test_kernels_inside_cuda_graph() -> None:
         torch.testing.assert_close(x, x_ref, rtol=1.6e-2, atol=1.6e-2, msg=f"replay {trial}")
         torch.testing.assert_close(q, q_ref, rtol=1.6e-2, atol=1.6e-2)
         torch.testing.assert_close(out, out_ref, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.cuda
+def test_second_toolkit_leg_is_used_when_the_first_lacks_this_gpu() -> None:
+    """A library whose primary leg has no code for this GPU falls back to the next leg.
+
+    The device script builds it with WLLM_LEG_SM_CUDA13=8.0 WLLM_LEG_SM_CUDA12=9.0 and points
+    WLLM_TEST_LEG_LIBRARY at it (the real CUDA 12.x leg carries SM 7.0, which an H200 cannot run).
+    """
+    import os
+    import subprocess
+    import sys
+
+    path = os.environ.get("WLLM_TEST_LEG_LIBRARY")
+    if not path:
+        pytest.skip("WLLM_TEST_LEG_LIBRARY not set (see build_tools/device_run.sh)")
+    code = (
+        "import torch; from wllm import kernels; from wllm.kernels import _lib, reference\n"
+        "b = _lib.binding(0); x = torch.randn(5, 300, device='cuda'); w = torch.randn(300, device='cuda')\n"
+        "torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6, 0.0))\n"
+        "print(b.leg)\n"
+    )
+    env = dict(os.environ, WLLM_KERNEL_LIBRARY=path)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "cuda12"

@@ -72,7 +72,7 @@ class Binding:
 
 def build_info() -> dict | None:
     """Contents of build_info.json next to the library, or None if absent."""
-    path = LIB_DIR / "build_info.json"
+    path = library_path().parent / "build_info.json"
     if not path.is_file():
         return None
     return json.loads(path.read_text(encoding="utf-8"))
