@@ -121,9 +121,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         n_kv = int(hf.get("num_key_value_heads") or n_heads)
         head_dim = int(hf.get("head_dim") or hidden // n_heads)
         if n_heads % n_kv:
-            raise ConfigError(
-                f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
-            )
+            raise ConfigError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
 
         rope_params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
         rope_theta = float(hf.get("rope_theta") or rope_params.get("rope_theta") or _ROPE_THETA_DEFAULT)
@@ -167,9 +165,7 @@ class ModelConfig(msgspec.Struct, kw_only=True):
             norm_eps=float(hf.get("rms_norm_eps") or hf.get("layer_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            rope_freq_factors=[float(f) for f in hf["rope_freq_factors"]]
-            if hf.get("rope_freq_factors")
-            else None,
+            rope_freq_factors=[float(f) for f in hf["rope_freq_factors"]] if hf.get("rope_freq_factors") else None,
             partial_rotary_factor=float(partial if partial is not None else 1.0),
             sliding_window=sliding,
             layer_sliding_windows=layer_windows,
@@ -214,17 +210,14 @@ def _normalise_rope_scaling(scaling: dict[str, Any] | None, arch: str) -> dict[s
         return None
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
-            f"{arch}: rope scaling type {rope_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{arch}: rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type in ("linear", "dynamic", "llama3", "yarn") and "factor" not in out:
         raise ConfigError(f"{arch}: rope scaling {rope_type!r} needs a 'factor'")
     return out
 
 
-def _layer_windows(
-    hf: dict[str, Any], model_type: str, n_layers: int, window: int | None
-) -> list[int | None]:
+def _layer_windows(hf: dict[str, Any], model_type: str, n_layers: int, window: int | None) -> list[int | None]:
     if window is None:
         return [None] * n_layers
     layer_types = hf.get("layer_types")
@@ -255,21 +248,23 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         # sequence (plain RoPE up to the original length), which a paged KV cache cannot do.
         factor = float(scaling["factor"])
         base = base * (factor * factor - (factor - 1)) ** (dim / (dim - 2))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    # float32 throughout, the way HF computes it, so angles match the reference bit for bit.
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
-    elif rope_type == "llama3":
+    elif rope_type == "llama3" and config.rope_freq_factors is None:
+        # GGUF files carry the same Llama 3.1 scaling as a factor table (applied below) instead.
         inv_freq = _llama3_scale(inv_freq, scaling)
     elif rope_type == "yarn":
         inv_freq = _yarn_inv_freq(inv_freq, dim, base, scaling, config.max_position_embeddings)
     if config.rope_freq_factors is not None:
-        factors = torch.tensor(config.rope_freq_factors, dtype=torch.float64)
+        factors = torch.tensor(config.rope_freq_factors, dtype=torch.float32)
         if factors.numel() != inv_freq.numel():
             raise ConfigError(
                 f"rope_freq_factors has {factors.numel()} entries, expected rotary_dim/2 = {inv_freq.numel()}"
             )
         inv_freq = inv_freq / factors
-    return inv_freq.to(torch.float32)
+    return inv_freq
 
 
 def rope_attention_factor(config: ModelConfig) -> float:
@@ -299,9 +294,7 @@ def _llama3_scale(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def _yarn_inv_freq(
-    inv_freq: torch.Tensor, dim: int, base: float, s: dict[str, Any], max_pos: int
-) -> torch.Tensor:
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, s: dict[str, Any], max_pos: int) -> torch.Tensor:
     factor = float(s["factor"])
     orig = float(s.get("original_max_position_embeddings") or max_pos)
     beta_fast = float(s.get("beta_fast") or 32)
@@ -317,6 +310,6 @@ def _yarn_inv_freq(
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation

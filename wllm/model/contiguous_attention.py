@@ -72,18 +72,14 @@ class ContiguousAttention:
             if layer_idx in layers:
                 k_old, v_old = layers[layer_idx]
                 if k_old.shape[0] != past:
-                    raise RuntimeError(
-                        f"layer {layer_idx} of sequence {sid!r} cached {k_old.shape[0]} != {past}"
-                    )
+                    raise RuntimeError(f"layer {layer_idx} of sequence {sid!r} cached {k_old.shape[0]} != {past}")
                 k_all, v_all = torch.cat((k_old, k_new)), torch.cat((v_old, v_new))
             else:
                 k_all, v_all = k_new.clone(), v_new.clone()
             layers[layer_idx] = (k_all, v_all)
             q_pos = torch.arange(past, past + n, device=q.device)
             outs.append(
-                _attention(
-                    q[start : start + n], k_all, v_all, q_pos, scale, causal, sliding_window, logit_softcap
-                )
+                _attention(q[start : start + n], k_all, v_all, q_pos, scale, causal, sliding_window, logit_softcap)
             )
             start += n
         return torch.cat(outs) if outs else q.new_empty(q.shape)

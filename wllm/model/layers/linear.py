@@ -43,13 +43,6 @@ def copy_into(dst: torch.Tensor, src: Any) -> None:
         dst.copy_(src)
 
 
-def default_weight_loader(param: torch.Tensor, loaded: Any, shard_id: Any = None) -> None:
-    """Load a whole (unsharded) parameter."""
-    if shard_id is not None:
-        raise WeightShapeError(f"parameter is not sharded but got shard {shard_id!r}")
-    copy_into(param.data, loaded)
-
-
 class Linear(nn.Module):
     """y = x W^T (+ b); weight [out_features, in_features] like nn.Linear, but never initialised
     (weights always come from a checkpoint or the dummy loader)."""
@@ -72,7 +65,7 @@ class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim (q|k|v, gate|up).
 
     One matmul instead of several; checkpoint tensors for each part load into their slice via
-    `weight_loader(param, tensor, shard_id)`, and a checkpoint that is already fused (Phi-3)
+    `load_shard(param, tensor, shard_id)`, and a checkpoint that is already fused (Phi-3)
     loads whole with shard_id None.
     """
 
@@ -85,10 +78,10 @@ class MergedLinear(Linear):
             start += size
         self.shard_offsets = offsets
         self.shard_sizes = list(shard_sizes)
-        for p in self.parameters():
-            p.weight_loader = self._load  # type: ignore[attr-defined]
 
-    def _load(self, param: torch.Tensor, loaded: Any, shard_id: str | None = None) -> None:
+    def load_shard(self, param: torch.Tensor, loaded: Any, shard_id: str | None = None) -> None:
+        """Copy a checkpoint tensor into `param` (our weight or bias): whole when shard_id is
+        None, else into the slice of that part."""
         if shard_id is None:
             copy_into(param.data, loaded)
             return

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from wllm.model.config import ModelConfig
-from wllm.model.layers.linear import WeightShapeError, copy_into
+from wllm.model.layers.linear import MergedLinear, WeightShapeError, copy_into
+from wllm.model.loader.errors import ModelLoadError
 
 # (fused module name, HF module name, shard id): HF checkpoints store q/k/v and gate/up
 # separately; we run them as one matmul each and load every part into its slice.
@@ -22,7 +23,7 @@ STACKED_QKV_GATE_UP: tuple[tuple[str, str, str], ...] = (
 )
 
 
-class WeightLoadError(ValueError):
+class WeightLoadError(ModelLoadError, ValueError):
     """The checkpoint does not match the model: unexpected, missing or mis-shaped tensors."""
 
 
@@ -75,31 +76,35 @@ class ModelBase(nn.Module):
                     f"unexpected weight {hf_name!r} with shape {tuple(getattr(tensor, 'shape', ()))}: "
                     f"{type(self).__name__} has no parameter {name!r}"
                 )
-            loader = getattr(param, "weight_loader", None)
+            owner = self._merged_owner(name)
             try:
-                if loader is None:
+                if owner is not None:
+                    owner.load_shard(param, tensor, shard)
+                elif shard is None:
                     copy_into(param.data, tensor)
                 else:
-                    loader(param, tensor, shard)
+                    raise WeightShapeError(f"{name} is not a fused parameter but got part {shard!r}")
             except WeightShapeError as e:
                 raise WeightLoadError(f"weight {hf_name!r} (parameter {name!r}): {e}") from None
             loaded.setdefault(name, set()).add(shard)
         missing = []
-        for name, param in params.items():
+        for name in params:
             got = loaded.get(name)
             if not got:
                 missing.append(name)
                 continue
-            owner = getattr(getattr(param, "weight_loader", None), "__self__", None)
+            owner = self._merged_owner(name)
             if None not in got and owner is not None:
                 lacking = sorted(set(owner.shard_offsets) - got)
                 if lacking:
                     missing.append(f"{name} (parts {', '.join(lacking)})")
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise WeightLoadError(
-                f"checkpoint lacks {len(missing)} weight(s) of {type(self).__name__}: {shown}"
-            )
+            raise WeightLoadError(f"checkpoint lacks {len(missing)} weight(s) of {type(self).__name__}: {shown}")
+
+    def _merged_owner(self, param_name: str) -> MergedLinear | None:
+        module = self.get_submodule(param_name.rpartition(".")[0])
+        return module if isinstance(module, MergedLinear) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden states [N, hidden_size]."""

@@ -102,9 +102,7 @@ class BertModel(ModelBase):
         super().__init__(config)
         pos_type = config.raw.get("position_embedding_type", "absolute")
         if pos_type != "absolute":
-            raise ValueError(
-                f"BertModel: position_embedding_type {pos_type!r} is not supported (only 'absolute')"
-            )
+            raise ValueError(f"BertModel: position_embedding_type {pos_type!r} is not supported (only 'absolute')")
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
 

@@ -41,13 +41,9 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
-        self.sliding_window = (
-            config.layer_sliding_windows[layer_idx] if config.layer_sliding_windows else None
-        )
+        self.sliding_window = config.layer_sliding_windows[layer_idx] if config.layer_sliding_windows else None
         self.softcap = config.attn_logit_softcapping
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias
-        )
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if qk_norm else None
@@ -92,9 +88,7 @@ class LlamaDecoderLayer(nn.Module):
         norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(
-            config, layer_idx, rotary, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm
-        )
+        self.self_attn = DecoderAttention(config, layer_idx, rotary, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, norm_offset)
@@ -132,9 +126,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, norm_offset)
         self.embed_scale = embed_scale
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             # Gemma rounds the scale to the activation dtype before multiplying; so do we.
@@ -181,9 +173,7 @@ class LlamaForCausalLM(ModelBase):
             return None  # tied: some checkpoints still store a copy of the embedding
         return name
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for flattened tokens of a batch."""
         return self.model(input_ids, positions, ctx)
 
