@@ -1,0 +1,225 @@
+"""`AsyncEngine`: the `LLMEngine` step loop in its own thread, streaming to asyncio consumers.
+
+Callers on any event loop submit commands (add, abort) through a thread-safe queue; the loop
+thread applies them between steps, runs `step()`, and hands each `RequestOutput` to the
+request's asyncio queue with `call_soon_threadsafe`. A failing step fails only its requests
+(they get an output with `error` set); after `max_consecutive_failures` failing steps in a row,
+or if the loop itself breaks, the engine marks itself unhealthy, fails every request and
+rejects new ones, so no consumer ever waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from wllm.engine.llm_engine import LLMEngine
+from wllm.outputs import CompletionOutput, RequestOutput
+from wllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has failed; the server should report itself unhealthy."""
+
+
+class _Stream:
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the consumer's loop is closed; nobody is listening any more
+
+
+class AsyncEngine:
+    """Serve an `LLMEngine` to asyncio code. Satisfies the HTTP layer's `EngineClient`."""
+
+    def __init__(self, engine: LLMEngine, max_consecutive_failures: int = 3) -> None:
+        self.engine = engine
+        self.max_consecutive_failures = max_consecutive_failures
+        self._streams: dict[str, _Stream] = {}
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._dead: str | None = None
+        self._consecutive_failures = 0
+        self._thread: threading.Thread | None = None
+        self._stats: dict[str, Any] = engine.stats()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def is_healthy(self) -> bool:
+        return self._dead is None
+
+    def stats(self) -> dict[str, Any]:
+        """The last step's engine stats plus health and stream counts (safe from any thread)."""
+        s = dict(self._stats)
+        s["healthy"] = self.is_healthy()
+        s["num_streams"] = len(self._streams)
+        return s
+
+    # ----------------------------------------------------------------------------------- client
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="wllm-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop thread; pending requests get an error output."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._wake:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine has stopped after an error: {self._dead}")
+            self._commands.append(command)
+            self._wake.notify()
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs until the request finishes. Raises QueueFullError (queue at
+        its bound), ValueError (bad input) or EngineDeadError; aborts the request if the consumer
+        stops iterating."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has stopped after an error: {self._dead}")
+        self.start()
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[None] = loop.create_future()
+        stream = _Stream(loop)
+
+        def add() -> None:
+            try:
+                if request_id in self._streams:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                self.engine.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                        cache_salt=cache_salt)
+                self._streams[request_id] = stream
+                result: BaseException | None = None
+            except Exception as e:
+                result = e
+            loop.call_soon_threadsafe(_settle, accepted, result)
+
+        self._submit(add)
+        await accepted
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished and self._dead is None:
+                self._submit(lambda: self._abort_now(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its blocks are freed before the next step."""
+        if self._dead is None:
+            self._submit(lambda: self._abort_now(request_id))
+
+    # ------------------------------------------------------------------------------ loop thread
+    def _abort_now(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and out is not None:
+            stream.put(out)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self._commands and not self.engine.has_unfinished():
+                        self._wake.wait()
+                    if self._stop:
+                        break
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for command in commands:
+                    command()
+                if not self.engine.has_unfinished():
+                    continue
+                failed_before = self.engine.num_failed_steps
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                if self.engine.num_failed_steps > failed_before:
+                    self._consecutive_failures += 1
+                else:
+                    self._consecutive_failures = 0
+                self._deliver(outputs)
+                if self._consecutive_failures >= self.max_consecutive_failures:
+                    raise EngineDeadError(f"{self._consecutive_failures} engine steps failed in a row")
+            self._fail_all("the engine was shut down")
+        except BaseException as e:  # the loop must never die silently: fail everyone, go unhealthy
+            logger.exception("engine loop failed")
+            self._fail_all(f"{type(e).__name__}: {e}")
+
+    def _fail_all(self, message: str) -> None:
+        with self._wake:
+            # Set under the lock: a later _submit raises instead of queueing a command nobody runs.
+            self._dead = message
+            commands = list(self._commands)
+            self._commands.clear()
+        for command in commands:
+            try:
+                command()  # adds fail fast below (the request is failed right after), aborts finish
+            except Exception:
+                pass
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.scheduler.abort(request_id, reason="error")
+            except Exception:
+                pass
+            stream.put(RequestOutput(request_id=request_id, prompt_token_ids=[],
+                                     outputs=[CompletionOutput(0, "", [], finish_reason="error")],
+                                     finished=True, error=message))
+        self._streams.clear()
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
