@@ -15,6 +15,7 @@ from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
 from litestar.middleware.base import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath, JSONBody
 from opentelemetry.sdk.trace import TracerProvider
 
 from wllm.entrypoints.openai.auth import bearer_token
@@ -78,13 +79,16 @@ def access_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHan
 
 
 @post("/v1/chat/completions", status_code=200, summary="Create a chat completion")
-async def chat_completions(request: Request[Any, Any, Any], data: ChatCompletionRequest) -> Response[
-        ChatCompletionResponse]:
+async def chat_completions(
+    request: Request[Any, Any, Any], data: JSONBody[ChatCompletionRequest]
+) -> Response[ChatCompletionResponse]:
     return await create_chat_completion(_ctx(request), data, request, _record(request))  # type: ignore[return-value]
 
 
 @post("/v1/completions", status_code=200, summary="Create a text completion")
-async def completions(request: Request[Any, Any, Any], data: CompletionRequest) -> Response[CompletionResponse]:
+async def completions(
+    request: Request[Any, Any, Any], data: JSONBody[CompletionRequest]
+) -> Response[CompletionResponse]:
     return await create_completion(_ctx(request), data, request, _record(request))  # type: ignore[return-value]
 
 
@@ -99,7 +103,7 @@ async def list_models(request: Request[Any, Any, Any]) -> ModelList:
 
 
 @get("/v1/models/{model_id:path}", summary="Retrieve a model")
-async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> ModelCard:
+async def retrieve_model(request: Request[Any, Any, Any], model_id: FromPath[str]) -> ModelCard:
     ctx = _ctx(request)
     model_id = model_id.lstrip("/")
     ctx.check_model(model_id)
@@ -107,7 +111,7 @@ async def retrieve_model(request: Request[Any, Any, Any], model_id: str) -> Mode
 
 
 @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages")
-async def tokenize(request: Request[Any, Any, Any], data: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(request: Request[Any, Any, Any], data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
     ctx = _ctx(request)
     ctx.check_model(data.model)
     if (data.prompt is None) == (data.messages is None):
@@ -120,7 +124,7 @@ async def tokenize(request: Request[Any, Any, Any], data: TokenizeRequest) -> To
 
 
 @post("/detokenize", status_code=200, summary="Turn token ids back into text")
-async def detokenize(request: Request[Any, Any, Any], data: DetokenizeRequest) -> DetokenizeResponse:
+async def detokenize(request: Request[Any, Any, Any], data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
     ctx = _ctx(request)
     ctx.check_model(data.model)
     vocab = getattr(ctx.engine.tokenizer, "vocab_size", None)

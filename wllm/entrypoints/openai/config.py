@@ -17,6 +17,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
 
     served_model_names: list[str] = msgspec.field(default_factory=lambda: ["default"])
     model_root: str | None = None  # the model source the server was started with (shown in /v1/models)
+    chat_template: str | None = None  # a template string (or template name) overriding the model's own
     api_keys: list[str] = msgspec.field(default_factory=list)
     rate_limit_rpm: float | None = None
     rate_limit_tpm: float | None = None

@@ -6,13 +6,13 @@ Keeping the seam this narrow lets the engine later move into its own process unc
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from wllm.outputs import RequestOutput
 from wllm.sampling_params import SamplingParams
 
-try:  # the engine defines the error; the fallback keeps the API layer importable on its own
+try:  # the engine defines its errors; the fallbacks keep the API layer importable on its own
     from wllm.engine.request import QueueFullError
 except ImportError:  # pragma: no cover - only when the engine package is absent
 
@@ -20,7 +20,15 @@ except ImportError:  # pragma: no cover - only when the engine package is absent
         """The engine's waiting queue is full."""
 
 
-__all__ = ["EngineClient", "QueueFullError", "TokenizerLike", "stat"]
+try:
+    from wllm.engine.async_engine import EngineDeadError
+except ImportError:  # pragma: no cover
+
+    class EngineDeadError(RuntimeError):  # type: ignore[no-redef]
+        """The engine loop has failed."""
+
+
+__all__ = ["EngineClient", "EngineDeadError", "QueueFullError", "TokenizerLike"]
 
 
 @runtime_checkable
@@ -54,7 +62,8 @@ class EngineClient(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs; raises QueueFullError when the waiting queue is full."""
+        """Stream cumulative outputs; raises QueueFullError when the waiting queue is full,
+        EngineDeadError when the engine has failed, ValueError for a request it cannot take."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -62,17 +71,5 @@ class EngineClient(Protocol):
     def is_healthy(self) -> bool: ...
 
     def stats(self) -> Any:
-        """A mapping or object with engine gauges/counters; see `stat`."""
+        """A mapping (or object) of engine gauges and counters, read by name for /metrics."""
         ...
-
-
-def stat(stats: Any, *names: str, default: float = 0.0) -> float:
-    """Read the first present field among `names` from an engine stats mapping or object.
-
-    The engine's stats type is its own; reading by name keeps the API layer from depending on it.
-    """
-    for name in names:
-        value = stats.get(name) if isinstance(stats, Mapping) else getattr(stats, name, None)
-        if value is not None:
-            return float(value)
-    return default

@@ -118,8 +118,10 @@ def handle_api_error(_: Request[Any, Any, Any], exc: APIError) -> Response[Any]:
 def handle_http_exception(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
     status = exc.status_code
     if isinstance(exc, ValidationException) or status == 400:
-        message, param = _validation_message(exc) if isinstance(exc, ValidationException) else (
-            f"Invalid request: {exc.detail}", None)
+        if isinstance(exc, ValidationException):
+            message, param = _validation_message(exc)
+        else:  # Litestar raises a bare 400 ClientException when the body cannot be decoded
+            message, param = f"Invalid request: the body is not valid JSON ({exc.detail})", None
         return error_response(APIError(400, message, param=param))
     if status >= 500:
         logger.error("internal error: %s", exc.detail)

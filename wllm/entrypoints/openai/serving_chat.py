@@ -73,8 +73,11 @@ def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], tools: list
     """Render the chat template and tokenize; template errors are the client's (400), with their text."""
     tok = ctx.engine.tokenizer
     try:
+        kwargs = dict(template_kwargs or {})
+        if ctx.config.chat_template is not None:
+            kwargs["chat_template"] = ctx.config.chat_template
         rendered = tok.apply_chat_template(template_messages(messages), tools=tools,
-                                           add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
     except APIError:
         raise
     except Exception as exc:  # jinja2 raises TemplateError, templates raise their own messages

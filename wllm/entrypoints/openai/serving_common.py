@@ -19,7 +19,7 @@ from opentelemetry.trace import Span
 
 from wllm.entrypoints.openai.auth import APIKeyChecker
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.engine_client import EngineClient, QueueFullError
+from wllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, QueueFullError
 from wllm.entrypoints.openai.errors import APIError, bad_request, model_not_found, service_unavailable
 from wllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from wllm.entrypoints.openai.rate_limit import RateLimiter
@@ -249,6 +249,12 @@ class EngineRun:
         except QueueFullError:
             raise service_unavailable("The server is at capacity (the request queue is full); try again shortly.",
                                       ctx.config.retry_after_s) from None
+        except EngineDeadError as exc:
+            self.record.error = str(exc)
+            raise service_unavailable("The engine is not running; try again later.",
+                                      ctx.config.retry_after_s) from None
+        except ValueError as exc:  # the engine refused the request itself (e.g. a limit it checks)
+            raise bad_request(f"The engine rejected the request: {exc}") from None
         finally:
             if not self.finished:
                 await self.abort()

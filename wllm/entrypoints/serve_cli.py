@@ -1,0 +1,264 @@
+"""`wllm serve [MODEL]`: load a model, start the engine, serve the OpenAI-compatible API with uvicorn.
+
+MODEL is an HF folder, a GGUF file, a hub id, or nothing (the embedded SmolLM2-135M-Instruct).
+SIGINT / SIGTERM (Ctrl+C / Ctrl+Break on Windows) stop accepting connections, let in-flight
+requests finish for up to `--shutdown-timeout` seconds, stop the engine and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("wllm.serve")
+
+GiB = 1 << 30
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    """Add the `serve` subcommand to the `wllm` CLI."""
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, tokenize, "
+                    "metrics). Without MODEL, serves the embedded SmolLM2-135M-Instruct.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="HF model folder, GGUF file, HF hub id, or nothing for the embedded SmolLM2-135M-Instruct")
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    net.add_argument("--port", type=int, default=8000, help="port to bind (0 picks a free one)")
+    net.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
+
+    model = p.add_argument_group("model")
+    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
+    model.add_argument("--dtype", default="auto", help="auto, float16, bfloat16 or float32")
+    model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                       help="how to read MODEL; dummy = random weights in MODEL's shape (benchmarks)")
+    model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a hub id")
+    model.add_argument("--tokenizer", default=None,
+                       help="tokenizer folder or GGUF file, when it is not MODEL's own (needed for dummy shapes)")
+    model.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                       help="name clients use in `model` (repeatable; the first is reported in responses)")
+    model.add_argument("--chat-template", default=None,
+                       help="chat template: a file, a template string, or the name of one of the model's templates")
+    model.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="context length (prompt + completion); default: the model's")
+    model.add_argument("--seed", type=int, default=0, help="seed for requests that give no seed")
+
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                     help="fraction of GPU memory for weights + KV cache (CUDA)")
+    eng.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on the CPU")
+    eng.add_argument("--swap-space", type=float, default=1.0,
+                     help="GiB of CPU memory to swap preempted requests to (0: always recompute)")
+    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                     help="token budget per engine step (prefill chunks + decode tokens)")
+    eng.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most requests running at once")
+    eng.add_argument("--max-queue", type=_non_negative_int, default=1024,
+                     help="most requests waiting to be scheduled; more get 503 (0: unbounded)")
+    eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                     help="serve by arrival, or by the request's `priority` (lower first)")
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse KV cache blocks of shared prompt prefixes")
+
+    sec = p.add_argument_group("security")
+    sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="accepted API key (repeatable); also read from env WLLM_API_KEY / WLLM_API_KEYS "
+                          "(comma-separated). No key anywhere: no auth")
+    sec.add_argument("--api-key-file", default=None, help="file with one API key per line (# comments)")
+    sec.add_argument("--rate-limit-rpm", type=float, default=None,
+                     help="requests per minute per API key (per client IP when auth is off)")
+    sec.add_argument("--rate-limit-tpm", type=float, default=None,
+                     help="prompt + completion tokens per minute per API key (per client IP when auth is off)")
+    sec.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                     help="allow browser requests from ORIGIN (repeatable; '*' for any). Default: CORS off")
+    sec.add_argument("--max-body-size", type=float, default=16.0, help="largest request body, in MiB")
+    sec.add_argument("--max-n", type=_positive_int, default=16, help="largest `n` a request may ask for")
+
+    obs = p.add_argument_group("observability")
+    obs.add_argument("--log-format", default="text", choices=["text", "json"],
+                     help="json: one JSON object per line, incl. one per request")
+    obs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    obs.add_argument("--otlp-endpoint", default=None,
+                     help="send OpenTelemetry traces to this OTLP collector (http://host:4318 or grpc://host:4317); "
+                          "needs `pip install opentelemetry-exporter-otlp`")
+    p.set_defaults(func=run_serve)
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _served_name(source: str | None, names: list[str] | None) -> list[str]:
+    if names:
+        return names
+    if source is None:
+        from wllm.model.default_model import DEFAULT_MODEL_NAME
+
+        return [DEFAULT_MODEL_NAME]
+    path = Path(source)
+    if path.exists():
+        return [path.name if path.is_dir() else path.stem]
+    return [source]  # a hub id or a dummy shape name, as given
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    with contextlib.suppress(OSError):
+        if len(value) < 1024 and path.is_file():
+            return path.read_text(encoding="utf-8")
+    return value
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
+    """Load the model and tokenizer and start an AsyncEngine; returns it and the model source."""
+    from wllm.engine.async_engine import AsyncEngine
+    from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from wllm.engine.llm_engine import LLMEngine
+    from wllm.model.default_model import default_model_path
+    from wllm.model.loader import load_model
+    from wllm.model.tokenizer.tokenizer import Tokenizer
+
+    source = args.model if args.model is not None else str(default_model_path())
+    device = _resolve_device(args.device)
+    loaded = load_model(source, dtype=args.dtype, device=device, load_format=args.load_format,
+                        revision=args.revision)
+    tokenizer_source = args.tokenizer or loaded.tokenizer_path
+    if tokenizer_source is None:
+        raise ValueError(f"{source} has no tokenizer files; pass --tokenizer <folder or .gguf>")
+    tokenizer = Tokenizer.from_path(tokenizer_source)
+    config = EngineConfig(
+        cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,
+                          enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  max_waiting=args.max_queue, policy=args.scheduling_policy,
+                                  max_model_len=args.max_model_len),
+        device=device,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    engine = AsyncEngine(LLMEngine(loaded.model, tokenizer, config))
+    engine.start()
+    return engine, source
+
+
+def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
+    import uvicorn
+    from uvicorn.server import HANDLED_SIGNALS
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a signal-initiated graceful stop is a clean exit (status 0).
+
+        Stock uvicorn re-raises the captured signal after shutting down, which makes the process
+        die of SIGTERM or raise KeyboardInterrupt; a service manager would call that a failure.
+        """
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            # signal.signal works on Windows too (SIGINT, SIGTERM, SIGBREAK are in HANDLED_SIGNALS there).
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started and self.servers:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                on_ready(host, port)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                            timeout_graceful_shutdown=args.shutdown_timeout, loop="asyncio", http="h11",
+                            lifespan="on", server_header=False)
+    return Server(config)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Entry point of `wllm serve`; returns the process exit status."""
+    from wllm.entrypoints.openai.auth import APIKeyError, collect_api_keys
+    from wllm.entrypoints.openai.config import MiB, ServerConfig
+    from wllm.observability.logs import setup_logging
+    from wllm.observability.tracing import TracingSetupError, otlp_tracer_provider
+
+    setup_logging(args.log_format, args.log_level.upper())
+    try:
+        keys = collect_api_keys(args.api_key, args.api_key_file)
+        tracer_provider = otlp_tracer_provider(args.otlp_endpoint) if args.otlp_endpoint else None
+        server_config = ServerConfig(
+            served_model_names=_served_name(args.model, args.served_model_name),
+            chat_template=_chat_template(args.chat_template),
+            api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
+            cors_origins=args.cors_origin, max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
+        server_config.validate()
+    except (APIKeyError, TracingSetupError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    logger.info("loading model %s", args.model or "(embedded SmolLM2-135M-Instruct)")
+    try:
+        engine, source = build_engine(args)
+    except Exception as exc:  # loader, tokenizer and config errors name the file and what is supported
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    server_config.model_root = source
+
+    from wllm.entrypoints.openai.app import create_app
+
+    app = create_app(engine, server_config, tracer_provider=tracer_provider)
+
+    def on_ready(host: str, port: int) -> None:
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        shown = f"[{shown}]" if ":" in shown else shown
+        auth = "on" if keys else "off"
+        print(f"wLLM ready: serving {server_config.served_model_names[0]} at http://{shown}:{port}/v1 "
+              f"(API keys: {auth}; Ctrl+C to stop)", flush=True)
+
+    server = _make_server(app, args, on_ready)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+        if tracer_provider is not None:
+            tracer_provider.shutdown()
+    if not server.started:
+        print(f"error: could not start the server on {args.host}:{args.port} (is the port in use?)", file=sys.stderr)
+        return 1
+    logger.info("server stopped")
+    return 0
