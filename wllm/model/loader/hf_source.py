@@ -34,19 +34,6 @@ class ResolvedSource:
     origin: str  # "local" or "hub"
 
 
-def gguf_split_parts(path: Path) -> list[Path]:
-    """All files of a split GGUF (name-00001-of-00003.gguf ...), in order; [path] if not split."""
-    m = _SPLIT_GGUF.match(path.name)
-    if not m:
-        return [path]
-    n = int(m["n"])
-    parts = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
-    missing = [str(p) for p in parts if not p.is_file()]
-    if missing:
-        raise ModelLoadError(f"{path}: split GGUF is incomplete, missing {', '.join(missing)}")
-    return parts
-
-
 def _gguf_in_folder(folder: Path) -> Path | None:
     ggufs = sorted(folder.glob("*.gguf"))
     if not ggufs:

@@ -20,7 +20,7 @@ import torch
 from wllm.model.config import ConfigError, ModelConfig, parse_dtype
 from wllm.model.loader.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_weights
 from wllm.model.loader.errors import ModelLoadError
-from wllm.model.loader.hf_source import ResolvedSource, gguf_split_parts, resolve_source
+from wllm.model.loader.hf_source import ResolvedSource, resolve_source
 from wllm.model.loader.safetensors_loader import (
     count_tensors,
     find_safetensors_files,
@@ -230,14 +230,16 @@ def _load_hf(source: str, resolved: ResolvedSource, dtype: str | torch.dtype, de
 def _load_gguf(source: str, path: Path, dtype: str | torch.dtype, dev: torch.device) -> LoadedModel:
     from wllm.model.loader.gguf_loader import GGUFModel
 
-    parts = gguf_split_parts(path)
-    gguf = GGUFModel(path)
-    config = _model_config(gguf.hf_config, path)
-    chosen = resolve_dtype(dtype, config, dev, is_gguf=True)
-    holder = [_construct(config, dev, chosen, path)]
-    nbytes = sum(p.stat().st_size for p in parts)
-    weights = _progress(gguf.iter_weights(), len(gguf.tensor_names), nbytes, f"Loading {path.name}")
-    model = _fill(holder, weights, path)
+    with GGUFModel(path) as gguf:
+        config = _model_config(gguf.hf_config, path)
+        chosen = resolve_dtype(dtype, config, dev, is_gguf=True)
+        holder = [_construct(config, dev, chosen, path)]
+        nbytes = sum(p.stat().st_size for p in gguf.paths)
+        # Quantized weights arrive as packed blocks, moved to `dev` before they are
+        # dequantized into the parameter (cheaper than moving float32 values).
+        raw = gguf.iter_weights(device=dev if dev.type != "cpu" else None)
+        weights = _progress(raw, len(gguf.weight_names()), nbytes, f"Loading {path.name}")
+        model = _fill(holder, weights, path)
     return LoadedModel(
         model=model,
         config=config,
