@@ -99,12 +99,12 @@ def collect() -> Report:
             report.add(f"kernels on gpu {index}", str(exc), ok=False,
                        fix="pip install --force-reinstall wllm-server  (a prebuilt wheel with kernels for your GPU)")
             continue
-        sm = f"{props.major}{props.minor}"
-        how = (f"prebuilt SASS sm_{binding.binary_sm}" if binding.ptx_version == 0
-               else f"PTX {binding.ptx_version} JIT-compiled for sm_{binding.binary_sm}")
-        exact = str(binding.binary_sm) == sm and binding.ptx_version == 0
-        report.add(f"kernels on gpu {index}", f"loaded ({binding.leg} leg, {how})"
-                   + ("" if exact else "; no prebuilt SASS for this SM, first start is slower"))
+        leg_sms = next((leg["sm"] for leg in (info or {}).get("legs", []) if leg["name"] == binding.leg), [])
+        if f"{props.major}.{props.minor}" in leg_sms:
+            how = f"prebuilt SASS for sm_{binding.binary_sm}"
+        else:
+            how = "no prebuilt SASS for this SM: PTX JIT-compiled by the driver (slower first start)"
+        report.add(f"kernels on gpu {index}", f"loaded ({binding.leg} leg, {how})")
     return report
 
 
