@@ -81,6 +81,7 @@ class ScriptedEngine:
         self.replies = list(replies)
         self.healthy = True
         self.gate: asyncio.Event | None = None  # when set to an Event, generation waits on it after token 1
+        self.at_gate: asyncio.Event | None = None  # set by the engine once a request waits at the gate
         self.active: dict[str, SamplingParams] = {}
         self.aborted: list[str] = []
         self.finished_ids: list[str] = []
@@ -150,6 +151,8 @@ class ScriptedEngine:
                 if request_id not in self.active:
                     return  # aborted: the stream just ends, as the real engine's does
                 if step == 1 and self.gate is not None:
+                    if self.at_gate is not None:
+                        self.at_gate.set()
                     await self.gate.wait()
                 for seq, reply in zip(seqs, replies):
                     if seq.finish_reason is None:
@@ -170,7 +173,9 @@ class ScriptedEngine:
                              for s in seqs],
                     finished=done, num_cached_tokens=cached, prompt_logprobs=prompt_lps, metrics=metrics)
         finally:
-            self.active.pop(request_id, None)
+            # A consumer that stops iterating early aborts the request, as with the real AsyncEngine.
+            if self.active.pop(request_id, None) is not None:
+                self.aborted.append(request_id)
 
     # -- internals
 

@@ -2,7 +2,7 @@
 
 Two buckets per client: requests per minute and tokens per minute. The request bucket is charged
 one unit before a request runs. Token counts are only known afterwards, so a request is admitted
-while the token bucket is positive and its actual prompt + completion tokens are charged when it
+while the token bucket is not negative and its actual prompt + completion tokens are charged when it
 ends; the bucket may go negative and then refuses requests until it refills. Both refill
 continuously at (limit / 60) per second up to the limit, so bursts up to a minute's worth pass.
 """
@@ -97,9 +97,8 @@ class RateLimiter:
             requests, tokens = self._buckets(client, now)
             if requests is not None and requests.level < 1:
                 raise RateLimited(f"Rate limit reached: {self.rpm:g} requests per minute", requests.wait_time(1))
-            if tokens is not None and tokens.level <= 0:
-                raise RateLimited(f"Rate limit reached: {self.tpm:g} tokens per minute",
-                                  tokens.wait_time(1e-9))
+            if tokens is not None and tokens.level < 0:
+                raise RateLimited(f"Rate limit reached: {self.tpm:g} tokens per minute", tokens.wait_time(0))
             if requests is not None:
                 requests.level -= 1
 

@@ -1,0 +1,91 @@
+"""Client disconnects abort engine requests (driven at the ASGI level, so the timing is exact)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from wllm.entrypoints.openai.app import create_app
+from wllm.entrypoints.openai.config import ServerConfig
+from wllm.entrypoints.openai.fake_engine import ScriptedEngine
+
+
+async def call(app: Any, path: str, body: dict, disconnect: asyncio.Event) -> list[dict]:
+    """Send one POST through the ASGI app; the client 'disconnects' once `disconnect` is set."""
+    raw = json.dumps(body).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        "client": ("127.0.0.1", 5555), "server": ("testserver", 80), "state": {},
+    }
+    sent_body = False
+    complete = asyncio.Event()
+    messages: list[dict] = []
+
+    async def receive() -> dict:
+        nonlocal sent_body
+        if not sent_body:
+            sent_body = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        # Like uvicorn: `http.disconnect` once the client leaves or the response is complete.
+        waits = [asyncio.ensure_future(disconnect.wait()), asyncio.ensure_future(complete.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        messages.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            complete.set()
+
+    await asyncio.wait_for(app(scope, receive, send), timeout=10)
+    return messages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_aborts_engine_request(stream: bool) -> None:
+    async def main() -> None:
+        engine = ScriptedEngine()
+        engine.gate, engine.at_gate = asyncio.Event(), asyncio.Event()
+        app = create_app(engine, ServerConfig(served_model_names=["tiny"]))
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        # The client leaves once the engine has produced a token and is mid-request.
+        messages = await call(app, "/v1/chat/completions", body, engine.at_gate)
+        assert len(engine.aborted) == 1 and engine.aborted[0].startswith("chatcmpl-")
+        assert engine.active == {} and engine.finished_ids == []
+        if stream:
+            assert messages[0]["status"] == 200  # headers went out before the client left
+            assert b"data: " in b"".join(m.get("body", b"") for m in messages[1:])
+
+    asyncio.run(main())
+
+
+def test_completed_request_is_not_aborted() -> None:
+    async def main() -> None:
+        engine = ScriptedEngine()
+        app = create_app(engine, ServerConfig(served_model_names=["tiny"]))
+        never = asyncio.Event()
+        for stream in (False, True):
+            messages = await call(app, "/v1/completions", {"model": "tiny", "prompt": "x", "stream": stream}, never)
+            assert messages[0]["status"] == 200
+        assert engine.aborted == [] and len(engine.finished_ids) == 2
+
+    asyncio.run(main())
+
+
+def test_multi_prompt_stream_disconnect_aborts_all() -> None:
+    async def main() -> None:
+        engine = ScriptedEngine()
+        engine.gate, engine.at_gate = asyncio.Event(), asyncio.Event()
+        app = create_app(engine, ServerConfig(served_model_names=["tiny"]))
+        await call(app, "/v1/completions", {"model": "tiny", "prompt": ["a", "b", "c"], "stream": True},
+                   engine.at_gate)
+        assert sorted(engine.aborted) == sorted(c[2] for c in engine.calls)
+        assert len(engine.aborted) == 3 and engine.active == {}
+
+    asyncio.run(main())
