@@ -85,7 +85,8 @@ class ModelBase(nn.Module):
                 else:
                     raise WeightShapeError(f"{name} is not a fused parameter but got part {shard!r}")
             except WeightShapeError as e:
-                raise WeightLoadError(f"weight {hf_name!r} (parameter {name!r}): {e}") from None
+                target = "" if name == hf_name else f" (parameter {name!r})"
+                raise WeightLoadError(f"weight {hf_name!r}{target}: {e}") from None
             loaded.setdefault(name, set()).add(shard)
         missing = []
         for name in params:
