@@ -93,7 +93,7 @@ class Tokenizer:
         """Wrap `backend`.
 
         When `add_bos_token` and `add_eos_token` are both None, BOS/EOS come from the backend's
-        own post-processor; otherwise `encode` adds them itself and ignores the post-processor.
+        own post-processor; otherwise `encode` adds them itself and bypasses the post-processor.
         `eos_token_id` is the primary EOS (the tokenizer's eos_token); `eos_token_ids` the full
         set that ends generation (it always includes `eos_token_id`).
         """
@@ -138,8 +138,9 @@ class Tokenizer:
     def from_hf_folder(cls, path: str | PathLike[str]) -> Tokenizer:
         """Load a Hugging Face tokenizer folder.
 
-        Reads tokenizer.json (required), tokenizer_config.json (special tokens, add_bos_token /
-        add_eos_token, added_tokens_decoder, chat_template), special_tokens_map.json,
+        Reads tokenizer.json (required; its post-processor adds BOS/EOS, and only when it has
+        none do tokenizer_config.json's add_bos_token / add_eos_token apply), tokenizer_config.json
+        (special tokens, added_tokens_decoder, chat_template), special_tokens_map.json,
         chat_template.jinja / chat_template.json / additional_chat_templates/*.jinja, and
         generation_config.json / config.json for the full set of EOS ids.
         """
@@ -194,12 +195,13 @@ class Tokenizer:
         if bos_id is None:
             bos_id = next(iter(_as_id_set(gen_config.get("bos_token_id"))), None)
 
-        # As transformers does: explicit add_bos/add_eos flags (or no post-processor at all)
-        # replace tokenizer.json's post-processor; otherwise the post-processor decides.
-        add_bos = config.get("add_bos_token")
-        add_eos = config.get("add_eos_token")
-        if add_bos is None and add_eos is None and backend.post_processor is None:
-            add_bos = add_eos = False
+        # tokenizer.json's post-processor decides BOS/EOS (transformers 5 ignores the config's
+        # add_bos_token/add_eos_token when tokenizer.json exists). Only a file without a
+        # post-processor falls back to the flags, so a model that asks for BOS still gets it.
+        add_bos = add_eos = None
+        if backend.post_processor is None:
+            add_bos = bool(config.get("add_bos_token", False))
+            add_eos = bool(config.get("add_eos_token", False))
 
         return cls(
             backend,
