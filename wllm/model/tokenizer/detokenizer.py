@@ -6,6 +6,11 @@ character, and WordPiece's "##" joins to the previous piece. So each step decode
 window that starts a few tokens back (the "prefix"), and emits what the new tokens add to the
 prefix's text. Text that ends in U+FFFD (an incomplete character) is held back until the
 character completes or the stream ends (`flush`).
+
+SentencePiece byte-fallback tokens need one more rule: the decoder turns a run of <0xNN>
+tokens into text only if the whole run is valid UTF-8, and otherwise replaces every byte of the
+run (even an ASCII one) with U+FFFD. A later byte can thus change the text of earlier ones, so
+text is held back while the newest token (skipped special tokens aside) is a byte token.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._prefix_text = self._decode(self._prefix, self._read)
         self._text_parts: list[str] = []
+        self._byte_ids = tokenizer.byte_fallback_ids
 
     def _decode(self, start: int, end: int | None = None) -> str:
         ids = self._ids[start:end]
@@ -71,7 +77,7 @@ class IncrementalDetokenizer:
         """Feed several generated ids at once (one decode); returns the new text."""
         before = len(self._ids)
         self._ids.extend(token_ids)
-        if len(self._ids) == before:
+        if len(self._ids) == before or self._ends_in_byte_run():
             return ""
         full = self._decode(self._prefix)
         if len(full) <= len(self._prefix_text) or full.endswith(_REPLACEMENT):
@@ -83,6 +89,15 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._prefix, self._read)
         self._text_parts.append(delta)
         return delta
+
+    def _ends_in_byte_run(self) -> bool:
+        if not self._byte_ids:
+            return False
+        skipped = self._tokenizer.all_special_ids if self.skip_special_tokens else ()
+        for i in reversed(self._ids):
+            if i not in skipped:
+                return i in self._byte_ids
+        return False
 
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete character comes out as U+FFFD). Call at the end."""

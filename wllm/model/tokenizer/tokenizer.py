@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-from tokenizers import AddedToken
+from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from wllm.model.tokenizer.chat_template import ChatTemplateError, render_chat_template
@@ -114,6 +114,7 @@ class Tokenizer:
         added = backend.get_added_tokens_decoder()
         self._special_ids = frozenset(i for i, t in added.items() if t.special)
         self._added_tokens = {i: t.content for i, t in added.items()}
+        self._byte_fallback_ids: frozenset[int] | None = None
         if special_tokens_map is None:
             pairs = (("bos_token", bos_token_id), ("eos_token", self.eos_token_id),
                      ("unk_token", unk_token_id), ("pad_token", pad_token_id))
@@ -305,6 +306,20 @@ class Tokenizer:
     def all_special_ids(self) -> frozenset[int]:
         """Ids that `decode(..., skip_special_tokens=True)` drops."""
         return self._special_ids
+
+    @property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of SentencePiece byte-fallback tokens (<0x00>..<0xFF>); empty for other tokenizers."""
+        if self._byte_fallback_ids is None:
+            ids: set[int] = set()
+            model = self._backend.model
+            if isinstance(model, models.BPE) and model.byte_fallback:
+                for b in range(256):
+                    i = self._backend.token_to_id(f"<0x{b:02X}>")
+                    if i is not None:
+                        ids.add(i)
+            self._byte_fallback_ids = frozenset(ids)
+        return self._byte_fallback_ids
 
     @property
     def chat_template(self) -> str | None:
