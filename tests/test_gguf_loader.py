@@ -405,3 +405,34 @@ def test_smollm2_names_and_unpermute_match_transformers(smollm2: GGUFModel) -> N
     assert set(ours) == set(ref)
     for name, value in ours.items():
         assert torch.equal(value, ref[name].float()), name
+
+
+def test_config_from_metadata_keys() -> None:
+    from wllm.model.loader.gguf_config import build_hf_config
+
+    def md(arch: str, **extra: Any) -> dict[str, Any]:
+        base = {"general.architecture": arch, f"{arch}.embedding_length": 4608, f"{arch}.block_count": 46,
+                f"{arch}.feed_forward_length": 36864, f"{arch}.attention.head_count": 32,
+                f"{arch}.attention.head_count_kv": 16, f"{arch}.attention.key_length": 128}
+        return {**base, **{k.replace("ARCH", arch): v for k, v in extra.items()}}
+
+    shapes = {"token_embd.weight": (256000, 4608)}
+    # Gemma 2 27B: no attention.scale key, so the scalar is hidden / heads, as llama.cpp decides by depth.
+    assert build_hf_config("x", md("gemma2"), shapes, None)["query_pre_attn_scalar"] == 144  # type: ignore[arg-type]
+    cfg = build_hf_config("x", md("gemma2", **{"ARCH.attention.scale": float(np.float32(24**-0.5))}), shapes, None)  # type: ignore[arg-type]
+    assert cfg["query_pre_attn_scalar"] == 24
+
+    cfg = build_hf_config("x", md(
+        "llama", **{"ARCH.rope.scaling.type": "linear", "ARCH.rope.scaling.factor": 4.0,
+                    "ARCH.rope.dimension_count": 64, "tokenizer.ggml.eos_token_id": 2,
+                    "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 2}),
+        shapes, None)  # type: ignore[arg-type]
+    assert cfg["rope_scaling"] == {"rope_type": "linear", "type": "linear", "factor": 4.0}
+    assert cfg["partial_rotary_factor"] == 0.5 and cfg["head_dim"] == 128
+    assert cfg["eos_token_id"] == [2, 7]
+    assert cfg["vocab_size"] == 256000 and cfg["tie_word_embeddings"] is True
+
+    with pytest.raises(ModelLoadError, match="x: GGUF metadata lacks required key llama.block_count"):
+        build_hf_config("x", {k: v for k, v in md("llama").items() if "block_count" not in k}, shapes, None)  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="per-layer KV head counts"):
+        build_hf_config("x", md("llama", **{"ARCH.attention.head_count_kv": [4, 8]}), shapes, None)  # type: ignore[arg-type]

@@ -194,7 +194,9 @@ def _gemma2(cfg: dict[str, Any], get: Callable[..., Any], shapes: Any, read: Any
     ]
     scale = get("attention.scale")
     if scale is not None and float(scale) > 0:
-        cfg["query_pre_attn_scalar"] = 1.0 / float(scale) ** 2
+        # The key holds 1/sqrt(scalar) as float32; recover the (integer, in every Gemma 2) scalar.
+        scalar = 1.0 / float(scale) ** 2
+        cfg["query_pre_attn_scalar"] = round(scalar) if abs(scalar - round(scalar)) < 1e-4 * scalar else scalar
     elif cfg["num_hidden_layers"] == 46:
         # GGUF does not store query_pre_attn_scalar; like llama.cpp, recognise Gemma 2 27B by its
         # depth: it scales queries by hidden_size / num_heads instead of head_dim.

@@ -193,6 +193,8 @@ def _open_reader(path: Path) -> GGUFReader:
     except ValueError as exc:
         if "GGMLQuantizationType" in str(exc):
             raise _corrupt(path, f"uses an unknown GGML tensor type ({exc})") from exc
+        if "version" in str(exc):
+            raise _corrupt(path, f"unsupported GGUF version ({exc})") from exc
         raise _corrupt(path, f"truncated or corrupt GGUF file ({exc})") from exc
     except (IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as exc:
         raise _corrupt(path, f"truncated or corrupt GGUF file ({type(exc).__name__}: {exc})") from exc
