@@ -427,3 +427,46 @@ def test_load_errors(tmp_path):
     _write_gguf(rwkv, lambda w: (w.add_tokenizer_model("rwkv"), w.add_token_list(["a", "b"])))
     with pytest.raises(GGUFTokenizerError, match="'rwkv' is not supported; supported: gpt2, llama, bert"):
         Tokenizer.from_gguf(rwkv)
+
+
+# --------------------------------------------------------------------------- WordPiece (bert)
+
+
+def test_bert_gguf_matches_wordpiece(tmp_path):
+    """A BERT vocabulary written the way llama.cpp's converter does (word starts get U+2581, "##"
+    is dropped) is rebuilt into the original WordPiece tokenizer."""
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    ref = BertWordPieceTokenizer(lowercase=True)
+    ref.train_from_iterator(TRAIN_TEXT * 10, vocab_size=400, show_progress=False)
+    vocab = ref.get_vocab()
+    ref.post_processor = processors.BertProcessing(("[SEP]", vocab["[SEP]"]), ("[CLS]", vocab["[CLS]"]))
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+
+    def phantom(t: str) -> str:
+        if t.startswith("[") and t.endswith("]"):
+            return t
+        return t[2:] if t.startswith("##") else "▁" + t
+
+    types = [gguf.TokenType.CONTROL if t.startswith("[") and t.endswith("]") else gguf.TokenType.NORMAL
+             for t in tokens]
+    path = tmp_path / "bert.gguf"
+
+    def fill(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("bert")
+        w.add_token_list([phantom(t) for t in tokens])
+        w.add_token_types(types)
+        w.add_uint32("tokenizer.ggml.cls_token_id", vocab["[CLS]"])
+        w.add_sep_token_id(vocab["[SEP]"])
+        w.add_unk_token_id(vocab["[UNK]"])
+        w.add_pad_token_id(vocab["[PAD]"])
+        w.add_mask_token_id(vocab["[MASK]"])
+
+    _write_gguf(path, fill)
+    ours = Tokenizer.from_gguf(path)
+    assert ours.bos_token_id == vocab["[CLS]"] and ours.eos_token_id == vocab["[SEP]"]
+    for text in CORPUS:
+        ids = ref.encode(text).ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == ref.decode(ids)
+    assert ours.id_to_token(ours.encode("quick")[1]) == "quick"

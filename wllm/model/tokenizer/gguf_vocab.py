@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -126,7 +126,6 @@ class GGUFVocab:
     add_space_prefix: bool = True
     chat_template: str | dict[str, str] | None = None
     architecture: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def token(self, token_id: int | None) -> str | None:
         """The text of `token_id`, or None when the id is absent or out of range."""
@@ -244,13 +243,17 @@ def _unique_tokens(vocab: GGUFVocab) -> list[str]:
     """Token texts made unique: a `tokenizers` vocabulary is a bijection, a GGUF list may not be."""
     seen: set[str] = set()
     out = []
+    renamed = []
     for i, text in enumerate(vocab.tokens):
         if not text or text in seen:
             # llama.cpp renames empty tokens the same way; duplicates only occur in unused slots.
             text = f"[EMPTY_{i}]" if not text else f"[DUPLICATE_{i}]"
-            logger.warning("%s: token %d is empty or duplicated; renamed to %s", vocab.source, i, text)
+            renamed.append(i)
         seen.add(text)
         out.append(text)
+    if renamed:
+        logger.warning("%s: %d empty or duplicated tokens renamed (first: id %d)", vocab.source, len(renamed),
+                       renamed[0])
     return out
 
 
