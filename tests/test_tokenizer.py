@@ -470,3 +470,31 @@ def test_bert_gguf_matches_wordpiece(tmp_path):
         assert ours.encode(text) == ids, text
         assert ours.decode(ids) == ref.decode(ids)
     assert ours.id_to_token(ours.encode("quick")[1]) == "quick"
+
+
+def test_gguf_metadata_extras(tmp_path, byte_bpe):
+    """Named chat templates, EOT ids and a shared GGUFReader."""
+    path = tmp_path / "named.gguf"
+    data = json.loads(byte_bpe.to_str())
+    tokens = [t for t, _ in sorted(data["model"]["vocab"].items(), key=lambda kv: kv[1])]
+
+    def fill(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(tokens)
+        w.add_token_types([gguf.TokenType.CONTROL if i < 3 else gguf.TokenType.NORMAL for i in range(len(tokens))])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(0)
+        w.add_eot_token_id(2)
+        w.add_chat_template([{"name": "default", "template": "D{{ bos_token }}"},
+                             {"name": "tool_use", "template": "T{{ eos_token }}"}])
+
+    _write_gguf(path, fill)
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    assert ours.source == str(path)
+    assert ours.eos_token_id == 0 and ours.eos_token_ids == {0, 2} and ours.add_bos_token is False
+    assert ours.chat_templates == {"default": "D{{ bos_token }}", "tool_use": "T{{ eos_token }}"}
+    msgs = [{"role": "user", "content": "x"}]
+    assert ours.apply_chat_template(msgs) == "D<|im_start|>"
+    assert ours.apply_chat_template(msgs, tools=[{"type": "function"}]) == "T<|endoftext|>"

@@ -36,7 +36,6 @@ SUPPORTED_MODELS = ("gpt2", "llama", "bert")
 
 # Split regexes, as llama.cpp's llama-vocab.cpp applies them for each `tokenizer.ggml.pre` (each
 # entry is applied in turn to the pieces the previous one left, keeping matches isolated).
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -77,7 +76,7 @@ for _name in ("default", "gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "rober
     PRE_TOKENIZER_SPLITS[_name] = ((), False, False)
 for _name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"):
     PRE_TOKENIZER_SPLITS[_name] = (("digits",), False, False)
-for _name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral"):
+for _name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"):
     PRE_TOKENIZER_SPLITS[_name] = ((_LLAMA3,), False, True)
 for _name in ("qwen2", "deepseek-r1-qwen", "megrez"):
     # Qwen2's own tokenizer.json normalizes to NFC before splitting.
@@ -139,9 +138,8 @@ class GGUFVocab:
     def eog_ids(self) -> set[int]:
         """Ids that end generation: eos/eot/eom from the file plus the usual end-of-turn texts."""
         ids = {i for i in (self.eos_id, self.eot_id, self.eom_id) if i is not None and i < len(self.tokens)}
-        for i, text in enumerate(self.tokens):
-            if text in EOG_TOKEN_TEXTS and self.type_of(i) in (CONTROL, USER_DEFINED, UNKNOWN):
-                ids.add(i)
+        # By text, whatever the token's type, as llama.cpp does (it fixes mislabelled types too).
+        ids.update(i for i, text in enumerate(self.tokens) if text in EOG_TOKEN_TEXTS)
         return ids
 
 
