@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -48,7 +49,7 @@ async def call(app: Any, path: str, body: dict, disconnect: asyncio.Event) -> li
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_disconnect_aborts_engine_request(stream: bool) -> None:
+def test_disconnect_aborts_engine_request(stream: bool, caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         engine = ScriptedEngine()
         engine.gate, engine.at_gate = asyncio.Event(), asyncio.Event()
@@ -62,7 +63,11 @@ def test_disconnect_aborts_engine_request(stream: bool) -> None:
             assert messages[0]["status"] == 200  # headers went out before the client left
             assert b"data: " in b"".join(m.get("body", b"") for m in messages[1:])
 
-    asyncio.run(main())
+    with caplog.at_level(logging.INFO, logger="wllm.access"):
+        asyncio.run(main())
+    (entry,) = [r.fields for r in caplog.records if r.name == "wllm.access"]  # type: ignore[attr-defined]
+    assert entry["error"] == "client disconnected" and entry["status"] == (200 if stream else 499)
+    assert entry["prompt_tokens"] > 0 and entry["completion_tokens"] == 1
 
 
 def test_completed_request_is_not_aborted() -> None:

@@ -255,10 +255,15 @@ class EngineRun:
                                       ctx.config.retry_after_s) from None
         except ValueError as exc:  # the engine refused the request itself (e.g. a limit it checks)
             raise bad_request(f"The engine rejected the request: {exc}") from None
+        except (asyncio.CancelledError, GeneratorExit):
+            # The consumer stopped early: the client went away (or the server is being killed).
+            self.record.error = self.record.error or "client disconnected"
+            raise
         finally:
+            # Record first: under an anyio cancel scope every later await may be cancelled again.
+            self._finish()
             if not self.finished:
                 await self.abort()
-            self._finish()
 
     async def abort(self) -> None:
         self.finished = True
