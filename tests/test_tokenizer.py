@@ -378,8 +378,13 @@ def test_hf_folder_matches_transformers(tmp_path, byte_bpe, variant):
 
 def test_hf_folder_flags_without_post_processor(tmp_path, byte_bpe):
     """A tokenizer.json with no post-processor: the config's add_bos_token/add_eos_token apply."""
-    _hf_folder(tmp_path, byte_bpe, dict(HF_CONFIG, add_bos_token=True, add_eos_token=True), post_processor=False)
+    extra = {"added_tokens_decoder": {"9999": {"content": "<extra_tok>", "special": True}}}
+    _hf_folder(tmp_path, byte_bpe, dict(HF_CONFIG, add_bos_token=True, add_eos_token=True, **extra),
+               post_processor=False)
     ours = Tokenizer.from_hf_folder(tmp_path)
+    # A token only tokenizer_config.json declares is still matched whole and skipped as special.
+    (extra_id,) = ours.encode("<extra_tok>", add_special_tokens=False)
+    assert extra_id in ours.all_special_ids and ours.decode([extra_id]) == ""
     plain = ours.encode("Hello world", add_special_tokens=False)
     assert ours.encode("Hello world") == [1, *plain, 2]
     assert ours.encode_batch(["Hello world"]) == [[1, *plain, 2]]

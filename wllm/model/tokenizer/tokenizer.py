@@ -173,12 +173,16 @@ class Tokenizer:
         # Tokens the config declares but tokenizer.json lacks (transformers adds them too).
         known = {t.content for t in backend.get_added_tokens_decoder().values()}
         declared = config.get("added_tokens_decoder") or {}
+        if not isinstance(declared, Mapping):
+            raise TokenizerLoadError(f"{folder / 'tokenizer_config.json'}: added_tokens_decoder must be an object")
         for _, spec in sorted(declared.items(), key=lambda kv: int(kv[0])):
             text = _token_text(spec)
-            if text is not None and text not in known:
-                backend.add_tokens([AddedToken(text, special=bool(spec.get("special", False)),
-                                               normalized=bool(spec.get("normalized", True)))])
-                known.add(text)
+            if text is None or text in known:
+                continue
+            special = bool(spec.get("special", False))
+            token = AddedToken(text, special=special, normalized=bool(spec.get("normalized", not special)))
+            (backend.add_special_tokens if special else backend.add_tokens)([token])
+            known.add(text)
         names: dict[str, str] = {}
         for name in _SPECIAL_NAMES:
             text = _token_text(config.get(name)) or _token_text(special_map.get(name))
