@@ -7,6 +7,9 @@ from wllm.sampling_params import SamplingParams
 class ByteTokenizer:
     """Token i decodes to the bytes in `pieces[i]`; invalid UTF-8 shows as U+FFFD like HF."""
 
+    byte_fallback_ids = frozenset()
+    all_special_ids = frozenset()
+
     def __init__(self, pieces):
         self.pieces = [p.encode() if isinstance(p, str) else p for p in pieces]
 

@@ -79,3 +79,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def validate(self) -> None:
         self.cache.validate()
         self.scheduler.validate()
+
+
+def engine_config_from_kwargs(**kwargs: object) -> EngineConfig:
+    """Build an EngineConfig from flat keyword arguments (`block_size=16, max_num_seqs=8, ...`),
+    each routed to the Struct that has that field. Unknown names raise a TypeError listing the
+    supported ones."""
+    sections: dict[str, dict[str, object]] = {"cache": {}, "scheduler": {}, "engine": {}}
+    fields = {
+        "cache": set(CacheConfig.__struct_fields__),
+        "scheduler": set(SchedulerConfig.__struct_fields__),
+        "engine": set(EngineConfig.__struct_fields__) - {"cache", "scheduler"},
+    }
+    for key, value in kwargs.items():
+        for section, names in fields.items():
+            if key in names:
+                sections[section][key] = value
+                break
+        else:
+            supported = sorted(set().union(*fields.values()))
+            raise TypeError(f"unknown engine argument {key!r}; supported: {', '.join(supported)}")
+    try:
+        config = EngineConfig(cache=CacheConfig(**sections["cache"]),
+                              scheduler=SchedulerConfig(**sections["scheduler"]), **sections["engine"])
+    except TypeError as e:
+        raise TypeError(f"bad engine argument: {e}") from None
+    config.validate()
+    return config

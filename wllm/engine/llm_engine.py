@@ -7,14 +7,16 @@ strings -> cumulative `RequestOutput`s for every request that changed.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import torch
 from torch import nn
 
-from wllm.engine.config import EngineConfig
+from wllm.engine.config import EngineConfig, engine_config_from_kwargs
 from wllm.engine.model_runner import ModelRunner
 from wllm.engine.request import RequestGroup, Sequence
 from wllm.engine.scheduler import Scheduler
@@ -60,7 +62,42 @@ class LLMEngine:
                                    self.runner.num_cpu_blocks, max_len, self.eos_token_ids)
         self._rng = random.Random(self.config.seed)
         self.num_steps = 0
+        self.model_source: str | None = None
         self.num_failed_steps = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike[str],
+        *,
+        tokenizer: str | os.PathLike[str] | None = None,
+        load_format: str = "auto",
+        revision: str | None = None,
+        **engine_args: Any,
+    ) -> LLMEngine:
+        """Load a model (HF folder or hub id, GGUF file, or dummy shape) and its tokenizer and
+        build an engine. `engine_args` are EngineConfig fields (block_size, max_num_seqs, device,
+        dtype, ...); device "auto" picks CUDA when available."""
+        from wllm.model.loader import load_model
+        from wllm.model.tokenizer.tokenizer import Tokenizer
+
+        config = engine_config_from_kwargs(**engine_args)
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_model(model, dtype=config.dtype, device=device, load_format=load_format,
+                            revision=revision)
+        tok_source = tokenizer or loaded.tokenizer_path
+        tok = Tokenizer.from_path(tok_source) if tok_source is not None else None
+        eos: set[int] = set(getattr(tok, "eos_token_ids", ()) or ())
+        gen_eos = loaded.generation_config.get("eos_token_id")
+        if gen_eos is not None:
+            eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        if not eos:
+            eos.update(loaded.config.eos_token_ids)
+        engine = cls(loaded.model, tok, config, eos_token_ids=sorted(eos))
+        engine.model_source = str(model)
+        return engine
 
     @property
     def max_model_len(self) -> int:

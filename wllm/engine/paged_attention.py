@@ -93,6 +93,23 @@ class PagedAttentionContext:
             self.query_start.append(self.query_start[-1] + n)
         self.slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.long)
         self._masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = {}
+        # Single-token (decode) sequences are attended together: their contexts are gathered into
+        # one padded [B, max_ctx] slot matrix, with padding masked out.
+        self.decode_idx = [i for i, n in enumerate(self.num_new) if n == 1]
+        self.other_idx = [i for i, n in enumerate(self.num_new) if n != 1]
+        self._decode_masks: dict[int | None, torch.Tensor] = {}
+        if len(self.decode_idx) > 1:
+            lens = torch.tensor([self.start_pos[i] + 1 for i in self.decode_idx], device=device)
+            width = int(lens.max())
+            pad = torch.zeros(len(self.decode_idx), width, dtype=torch.long, device=device)
+            for row, i in enumerate(self.decode_idx):
+                pad[row, : self.context_slots[i].numel()] = self.context_slots[i]
+            self.decode_slots = pad
+            self.decode_rows = torch.tensor([self.query_start[i] for i in self.decode_idx], device=device)
+            self.decode_lens = lens
+        else:
+            self.other_idx = list(range(len(self.num_new)))
+            self.decode_idx = []
 
     @property
     def num_tokens(self) -> int:
@@ -139,7 +156,10 @@ class PagedAttentionContext:
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
         out = torch.empty(q.shape[0], num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
-        for i, slots in enumerate(self.context_slots):
+        if self.decode_idx:
+            out[self.decode_rows] = self._attend_decodes(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
+        for i in self.other_idx:
+            slots = self.context_slots[i]
             lo, hi = self.query_start[i], self.query_start[i + 1]
             n = hi - lo
             # [kv_heads, group, n, d] x [kv_heads, d, ctx] -> [kv_heads, group, n, ctx]
@@ -156,3 +176,28 @@ class PagedAttentionContext:
             o = torch.matmul(probs, values.unsqueeze(1))  # [kv_heads, group, n, d]
             out[lo:hi] = o.permute(2, 0, 1, 3).reshape(n, num_heads, -1).to(q.dtype)
         return out
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, 1, max_ctx] allowed keys of the decode batch (padding and out-of-window off)."""
+        if window not in self._decode_masks:
+            k_pos = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)[None, :]
+            allowed = k_pos < self.decode_lens[:, None]
+            if window is not None:
+                allowed = allowed & (k_pos > (self.decode_lens[:, None] - 1) - window)
+            self._decode_masks[window] = allowed[:, None, None, :]
+        return self._decode_masks[window]
+
+    def _attend_decodes(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float,
+                        window: int | None, softcap: float | None) -> torch.Tensor:
+        batch = len(self.decode_idx)
+        num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+        qd = q[self.decode_rows].float().reshape(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
+        keys = k_flat[self.decode_slots].float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        scores = torch.matmul(qd, keys) * scale  # [B, Hkv, G, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~self._decode_mask(window), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        values = v_flat[self.decode_slots].float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        o = torch.matmul(probs, values)  # [B, Hkv, G, D]
+        return o.reshape(batch, -1, o.shape[-1]).to(q.dtype)
