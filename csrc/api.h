@@ -60,3 +60,23 @@ WLLM_API int WLLM_FN(wllm_rotary_embedding)(const int64_t* positions, void* q, v
                                    int64_t num_tokens, int num_heads, int num_kv_heads, int head_size,
                                    int rot_dim, int64_t q_token_stride, int64_t k_token_stride,
                                    int64_t max_position, int is_neox, int dtype, void* stream);
+
+// Paged prefill attention. q [num_tokens, num_heads, head_size] holds the new tokens of num_seqs
+// sequences back to back: sequence s owns rows query_start_loc[s] .. query_start_loc[s + 1] - 1
+// (int32 [num_seqs + 1], device memory) and has seq_lens[s] tokens of context in total, the new
+// ones included (their K/V already in the cache). Query i of sequence s sits at position
+// seq_lens[s] - q_len + i and sees keys at positions <= its own (and > position - sliding_window
+// when sliding_window > 0). Keys of sequence s live in blocks block_tables[s * block_table_stride
+// + j] of k_cache / v_cache, each [num_blocks, block_size, num_kv_heads, head_size] with the
+// given (shared) block/token/head strides and contiguous head dims. Scores are q.k * scale, then
+// logit_softcap * tanh(score / logit_softcap) when logit_softcap > 0. Writes out rows
+// 0 .. query_start_loc[num_seqs] - 1 (same layout as q, own strides). fp16/bf16 (tensor cores on
+// SM 8.0+; pointers 16-byte aligned, strides multiples of 8) and fp32; head_size 64, 80, 96, 128 or
+// 256; block_size a power of two.
+WLLM_API int WLLM_FN(wllm_paged_prefill_attention)(
+    void* out, const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+    const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_tokens, int num_seqs, int num_heads,
+    int num_kv_heads, int head_size, int block_size, int64_t block_table_stride, int64_t q_token_stride,
+    int64_t q_head_stride, int64_t out_token_stride, int64_t out_head_stride, int64_t kv_block_stride,
+    int64_t kv_token_stride, int64_t kv_head_stride, float scale, int sliding_window, float logit_softcap,
+    int dtype, void* stream);

@@ -36,6 +36,10 @@ SIGNATURES: dict[str, list] = {
                                 c_float, c_int, c_void_p],
     "wllm_rotary_embedding": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int, c_int, c_int,
                               c_int64, c_int64, c_int64, c_int, c_int, c_void_p],
+    "wllm_paged_prefill_attention": [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
+                                     c_int64, c_int, c_int, c_int, c_int, c_int, c_int64, c_int64, c_int64,
+                                     c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_int, c_float, c_int,
+                                     c_void_p],
 }
 
 

@@ -195,3 +195,116 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor |
         rotary_embedding_op(positions, q, k, head_size, cos_sin_cache, is_neox)
     else:
         _cuda_rotary(positions, q, k, head_size, cos_sin_cache, is_neox)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged prefill attention
+# ---------------------------------------------------------------------------------------------
+
+PREFILL_HEAD_SIZES = (64, 80, 96, 128, 256)
+
+
+def _check_prefill_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    what = "paged_prefill_attention"
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{what}: expected q [T, Hq, D] and k/v caches [num_blocks, block_size, Hkv, D], got "
+                         f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    num_heads, head_size = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[3] != head_size or num_heads % num_kv_heads:
+        raise ValueError(f"{what}: q has {num_heads} heads of {head_size}, the cache {num_kv_heads} heads of "
+                         f"{k_cache.shape[3]}; head sizes must match and query heads be a multiple of KV heads")
+    if block_size & (block_size - 1):
+        raise ValueError(f"{what}: block size {block_size} is not a power of two")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{what}: {name} must be int32, got {t.dtype}")
+    num_seqs = seq_lens.shape[0]
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"{what}: expected block_tables [S, max_blocks], seq_lens [S] and query_start_loc [S + 1], "
+                         f"got {tuple(block_tables.shape)}, {tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"{what}: q and the KV cache must share a dtype, got {q.dtype} and {k_cache.dtype}")
+
+
+def _cuda_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                                  scale: float, sliding_window: int, logit_softcap: float,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
+    what = "paged_prefill_attention"
+    _check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    code = _dtype_code(q, what)
+    head_size = q.shape[2]
+    if head_size not in PREFILL_HEAD_SIZES:
+        raise ValueError(f"{what}: head size {head_size} has no CUDA kernel (supported: {PREFILL_HEAD_SIZES})")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"{what}: k and v caches must share strides and have contiguous head dims")
+    if q.stride(-1) != 1 or (q.element_size() == 2 and (q.data_ptr() % 16 or q.stride(0) % 8 or q.stride(1) % 8)):
+        q = q.contiguous()  # the tensor-core kernel reads 16-byte rows
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"{what}: out must be {tuple(q.shape)} {q.dtype} with contiguous head dims")
+    bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    lib = _lib.binding(q.device.index or 0)
+    lib.check(lib.wllm_paged_prefill_attention(
+        out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
+        seq_lens.contiguous().data_ptr(), query_start_loc.contiguous().data_ptr(), q.shape[0], seq_lens.shape[0],
+        q.shape[1], k_cache.shape[2], head_size, k_cache.shape[1], bt.stride(0), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale,
+        sliding_window, logit_softcap, code, _stream(q)), what)
+    return out
+
+
+@torch.library.custom_op("wllm::paged_prefill_attention", mutates_args=())
+def paged_prefill_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                               scale: float, sliding_window: int, logit_softcap: float) -> torch.Tensor:
+    if q.is_cuda:
+        return _cuda_paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                             sliding_window, logit_softcap)
+    return reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                             sliding_window, logit_softcap)
+
+
+@paged_prefill_attention_op.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, sliding_window: int,
+      logit_softcap: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a batch's new tokens (prefill chunks, prefix-cache hits, several tokens
+    per request) over a paged KV cache whose K/V already hold those tokens.
+
+    q [T, Hq, D]; k_cache / v_cache [num_blocks, block_size, Hkv, D] (one layer's views, any
+    block/token/head strides); block_tables int32 [S, max_blocks]; seq_lens int32 [S] (context
+    length including the new tokens); query_start_loc int32 [S + 1]. Query i of sequence s sits at
+    position seq_lens[s] - q_len + i. sliding_window: keys within that many positions (None: all);
+    logit_softcap: cap * tanh(score / cap) (None: off). Returns [T, Hq, D] (written into `out` when
+    given); rows past query_start_loc[-1] are left unwritten on CUDA. See reference.paged_prefill_attention.
+    """
+    window = int(sliding_window or 0)
+    cap = float(logit_softcap or 0.0)
+    if window < 0 or cap < 0:
+        raise ValueError(f"paged_prefill_attention: sliding_window {sliding_window} and logit_softcap "
+                         f"{logit_softcap} must be positive or None")
+    if not q.is_cuda:
+        _check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+        result = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                   scale, window, cap)
+    elif _is_compiling():
+        result = paged_prefill_attention_op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                            window, cap)
+    else:
+        return _cuda_paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                             window, cap, out)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result

@@ -52,3 +52,46 @@ def rotary_cos_sin_cache(max_position: int, rot_dim: int, base: float = 10000.0,
         inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq.float())
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, sliding_window: int = 0, logit_softcap: float = 0.0) -> torch.Tensor:
+    """Attention of variable-length query chunks over a paged KV cache (fp32 math, one rounding).
+
+    q [T, Hq, D]: sequence s owns rows query_start_loc[s]:query_start_loc[s + 1] and has
+    seq_lens[s] tokens of context, the new ones included, so its query i sits at position
+    seq_lens[s] - q_len + i and sees keys at positions <= its own (and > position - sliding_window
+    when sliding_window > 0). Key j of sequence s is k_cache[block_tables[s, j // bs], j % bs]
+    with k_cache [num_blocks, bs, Hkv, D]. Scores are q.k * scale, soft-capped as
+    cap * tanh(score / cap) when logit_softcap > 0. Rows past query_start_loc[-1] come back zero.
+    """
+    num_heads, head_size = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s, ctx in enumerate(lens):
+        lo, hi = starts[s], starts[s + 1]
+        n = hi - lo
+        if n == 0:
+            continue
+        if n > ctx:
+            raise ValueError(f"paged_prefill_attention: sequence {s} has {n} new tokens but seq_lens {ctx}")
+        blocks = block_tables[s, : (ctx + block_size - 1) // block_size].long()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_size)[:ctx].float()
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_size)[:ctx].float()
+        qs = q[lo:hi].float().reshape(n, num_kv_heads, group, head_size)
+        scores = torch.einsum("nhgd,chd->hgnc", qs, keys) * scale
+        if logit_softcap > 0:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
+        q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window > 0:
+            allowed = allowed & (k_pos > q_pos - sliding_window)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        o = torch.einsum("hgnc,chd->nhgd", probs, values)
+        out[lo:hi] = o.reshape(n, num_heads, head_size).to(q.dtype)
+    return out

@@ -1,0 +1,597 @@
+// Paged prefill attention: variable-length query chunks over a paged KV cache, causal with the
+// queries aligned at the end of each sequence, GQA, optional sliding window and logit soft-cap.
+//
+// Work split (both kernels): one CTA per (query tile, query head). Query tiles of all sequences
+// are numbered without a host-side max length: sequence s owns tile indices starting at
+// query_start_loc[s] / BM + s, which leaves room for its ceil(q_len / BM) tiles, so the grid is
+// num_tokens / BM + num_seqs tiles and a CTA finds its sequence by binary search. Indices are
+// walked in reverse so the long (late, causally heavier) tiles start first.
+//
+// SM 8.0+, fp16/bf16: FlashAttention-2-style kernel on tensor cores (mma.sync m16n8k16, fp32
+// accumulators, online softmax in registers), K and V tiles gathered through the block table
+// with cp.async so the V load overlaps Q.K^T and the next K load overlaps P.V.
+// SM 7.x (and fp32 everywhere): a SIMT kernel with the same semantics, fp32 throughout.
+#include <math.h>
+#include <stdint.h>
+
+#include "attention_prefill_mma.cuh"
+#include "common.cuh"
+
+namespace WLLM_NS {
+namespace prefill {
+
+struct Params {
+  void* out;
+  const void* q;
+  const void* k;
+  const void* v;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int64_t bt_stride;
+  int64_t q_tok, q_head, o_tok, o_head;
+  int64_t kv_block, kv_tok, kv_head;
+  int num_seqs;
+  int group;        // query heads per KV head
+  int block_shift;  // log2(block_size)
+  float scale;
+  float softcap;  // 0: off
+  int window;     // 0: off; else key k is visible to query position p iff p - window < k <= p
+};
+
+struct Tile {
+  int seq, q_begin, q_len, m0, ctx;
+};
+
+// Which sequence and which rows [m0, m0 + bm) of it the CTA with tile index idx computes.
+__device__ __forceinline__ bool locate_tile(const Params& p, int bm, int idx, Tile& t) {
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {  // the last s with query_start_loc[s] / bm + s <= idx (strictly increasing in s)
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.query_start_loc[mid] / bm + mid <= idx) lo = mid;
+    else hi = mid - 1;
+  }
+  t.seq = lo;
+  t.q_begin = p.query_start_loc[lo];
+  t.q_len = p.query_start_loc[lo + 1] - t.q_begin;
+  t.m0 = (idx - (t.q_begin / bm + lo)) * bm;
+  t.ctx = p.seq_lens[lo];
+  return t.m0 < t.q_len;
+}
+
+// Keys the rows [m0, m0 + rows) can see, as n_tiles tiles of bn keys from first_n0.
+struct KeyRange {
+  int qp_first, qp_last, first_n0, n_tiles;
+};
+
+__device__ __forceinline__ KeyRange key_range(const Tile& t, int rows, int window, int bn) {
+  KeyRange r;
+  r.qp_first = t.ctx - t.q_len + t.m0;
+  r.qp_last = t.ctx - t.q_len + min(t.m0 + rows, t.q_len) - 1;
+  const int n_hi = r.qp_last + 1;
+  const int n_lo = window > 0 ? max(0, r.qp_first - window + 1) : 0;
+  r.first_n0 = (n_lo / bn) * bn;
+  r.n_tiles = n_hi > r.first_n0 ? (n_hi - r.first_n0 + bn - 1) / bn : 0;
+  return r;
+}
+
+__device__ __forceinline__ bool visible(int key, int qpos, int ctx, int window) {
+  return key <= qpos && key < ctx && (window <= 0 || key > qpos - window);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SIMT kernel (SM 7.x; fp32 on every SM)
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kSimtRows = 16;
+constexpr int kSimtKeys = 16;
+constexpr int kSimtThreads = 128;  // 8 threads per query row
+
+template <int D>
+constexpr size_t simt_smem_bytes() {
+  return (size_t)(kSimtRows * (D + 1) + 2 * kSimtKeys * (D + 1) + kSimtRows * (kSimtKeys + 1)) * sizeof(float);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void simt_body(const Params& p) {
+  static_assert(D % 8 == 0, "head size must be a multiple of 8");
+  constexpr int kS = D + 1;  // padded rows: the 8 keys a warp reads at once sit in different banks
+  constexpr int kPS = kSimtKeys + 1;
+  extern __shared__ float simt_smem[];
+  float* sQ = simt_smem;
+  float* sK = sQ + kSimtRows * kS;
+  float* sV = sK + kSimtKeys * kS;
+  float* sP = sV + kSimtKeys * kS;
+
+  Tile t;
+  if (!locate_tile(p, kSimtRows, (int)(gridDim.x - 1 - blockIdx.x), t)) return;
+  const int head = blockIdx.y;
+  const int kvh = head / p.group;
+  const int tid = threadIdx.x;
+  const int r = tid >> 3;
+  const int g = tid & 7;
+  const T* q = static_cast<const T*>(p.q);
+  const T* kc = static_cast<const T*>(p.k);
+  const T* vc = static_cast<const T*>(p.v);
+  const int32_t* table = p.block_tables + (int64_t)t.seq * p.bt_stride;
+  const int block_mask = (1 << p.block_shift) - 1;
+
+  for (int i = tid; i < kSimtRows * D; i += kSimtThreads) {
+    const int row = i / D, d = i - row * D;
+    float v = 0.0f;
+    if (t.m0 + row < t.q_len) {
+      v = Conv<T>::to_float(q[(int64_t)(t.q_begin + t.m0 + row) * p.q_tok + (int64_t)head * p.q_head + d]);
+    }
+    sQ[row * kS + d] = v;
+  }
+  const KeyRange kr = key_range(t, kSimtRows, p.window, kSimtKeys);
+  const int qpos = kr.qp_first + r;
+
+  float m = -INFINITY, l = 0.0f;
+  float o[D / 8];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i] = 0.0f;
+
+  for (int it = 0; it < kr.n_tiles; ++it) {
+    const int n0 = kr.first_n0 + it * kSimtKeys;
+    __syncthreads();  // Q is in place and nobody still reads the previous K/V/P
+    for (int i = tid; i < kSimtKeys * D; i += kSimtThreads) {
+      const int row = i / D, d = i - row * D;
+      const int key = n0 + row;
+      float kv = 0.0f, vv = 0.0f;  // keys past the context read as zeros (never NaN garbage)
+      if (key < t.ctx) {
+        const int64_t off = (int64_t)table[key >> p.block_shift] * p.kv_block + (int64_t)(key & block_mask) * p.kv_tok +
+                            (int64_t)kvh * p.kv_head + d;
+        kv = Conv<T>::to_float(kc[off]);
+        vv = Conv<T>::to_float(vc[off]);
+      }
+      sK[row * kS + d] = kv;
+      sV[row * kS + d] = vv;
+    }
+    __syncthreads();
+    float s[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = g + 8 * j;
+      float dot = 0.0f;
+#pragma unroll 8
+      for (int d = 0; d < D; ++d) dot += sQ[r * kS + d] * sK[c * kS + d];
+      float x = p.softcap > 0.0f ? p.softcap * tanhf(dot * p.scale / p.softcap) : dot * p.scale;
+      s[j] = visible(n0 + c, qpos, t.ctx, p.window) ? x : -INFINITY;
+    }
+    float mx = fmaxf(s[0], s[1]);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    const float m_new = fmaxf(m, mx);
+    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet stays at 0
+    const float corr = expf(m - m_use);
+    const float p0 = expf(s[0] - m_use), p1 = expf(s[1] - m_use);
+    m = m_new;
+    l = l * corr + p0 + p1;  // this thread's share; the row total is summed at the end
+    sP[r * kPS + g] = p0;
+    sP[r * kPS + g + 8] = p1;
+    __syncwarp();  // a row's 8 threads are in one warp
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i] *= corr;
+    for (int c = 0; c < kSimtKeys; ++c) {
+      const float pv = sP[r * kPS + c];
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) o[i] += pv * sV[c * kS + g + 8 * i];
+    }
+  }
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  l += __shfl_xor_sync(0xffffffffu, l, 4);
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  if (t.m0 + r < t.q_len) {
+    T* out = static_cast<T*>(p.out) + (int64_t)(t.q_begin + t.m0 + r) * p.o_tok + (int64_t)head * p.o_head;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) out[g + 8 * i] = Conv<T>::from_float(o[i] * inv);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kSimtThreads) simt_prefill_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // On SM 8.0+ only fp32 takes this kernel; fp16/bf16 go to the tensor-core one (keeps the build lean).
+  if constexpr (sizeof(T) == 4) simt_body<T, D>(p);
+#else
+  simt_body<T, D>(p);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core kernel (SM 8.0+, fp16/bf16)
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kFlashThreads = 128;  // 4 warps; warp w owns rows [16*MT*w, 16*MT*(w+1)) of the tile
+
+// MT: m16 row tiles per warp (reuses each K/V fragment MT times); BN: keys per K/V tile.
+// Chosen so accumulators fit in registers and shared memory fits 99 KB parts (SM 8.6/8.9/12.0).
+template <int D>
+struct FlashShape {
+  static constexpr int MT = 2, BN = 64;
+};
+template <>
+struct FlashShape<256> {
+  static constexpr int MT = 1, BN = 32;
+};
+
+template <typename T, int D>
+constexpr size_t flash_smem_bytes() {
+  return (size_t)(64 * FlashShape<D>::MT + 2 * FlashShape<D>::BN) * (D + 8) * sizeof(T);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kFlashThreads) flash_prefill_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int MT = FlashShape<D>::MT;
+  constexpr int BN = FlashShape<D>::BN;
+  constexpr int BM = 16 * MT * (kFlashThreads / 32);
+  // Rows padded by 16 bytes: the 8 row addresses of one ldmatrix phase land in distinct banks.
+  constexpr int S = D + 8;
+  constexpr int CH = D / 8;   // 16-byte chunks per row
+  constexpr int NB = BN / 8;  // n8 score blocks per row group
+  constexpr int ND = D / 8;   // n8 output blocks
+  static_assert(D % 16 == 0 && BN % 16 == 0, "tile shapes must be multiples of 16");
+  extern __shared__ uint4 flash_smem[];
+  T* sQ = reinterpret_cast<T*>(flash_smem);
+  T* sK = sQ + BM * S;
+  T* sV = sK + BN * S;
+
+  Tile t;
+  if (!locate_tile(p, BM, (int)(gridDim.x - 1 - blockIdx.x), t)) return;
+  const int head = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wrow = warp * 16 * MT;
+  const T* q = static_cast<const T*>(p.q);
+  const T* kc = static_cast<const T*>(p.k);
+  const T* vc = static_cast<const T*>(p.v);
+  const int32_t* table = p.block_tables + (int64_t)t.seq * p.bt_stride;
+  const int64_t head_off = (int64_t)(head / p.group) * p.kv_head;
+  const int block_mask = (1 << p.block_shift) - 1;
+  const int ctx = t.ctx;
+
+  for (int c = tid; c < BM * CH; c += kFlashThreads) {
+    const int row = c / CH, col = (c - row * CH) * 8;
+    const bool ok = t.m0 + row < t.q_len;
+    const T* src = ok ? q + (int64_t)(t.q_begin + t.m0 + row) * p.q_tok + (int64_t)head * p.q_head + col : q;
+    cp_async_16(sQ + row * S + col, src, ok ? 16 : 0);
+  }
+  // Keys n0.. of one cache into dst; rows past the context are zero-filled so that 0 * garbage
+  // (possibly NaN) never reaches the accumulators.
+  auto load_kv = [&](T* dst, const T* cache, int n0) {
+    for (int c = tid; c < BN * CH; c += kFlashThreads) {
+      const int row = c / CH, col = (c - row * CH) * 8;
+      const int key = n0 + row;
+      const bool ok = key < ctx;
+      const T* src = cache;
+      if (ok) {
+        src = cache + (int64_t)table[key >> p.block_shift] * p.kv_block + (int64_t)(key & block_mask) * p.kv_tok +
+              head_off + col;
+      }
+      cp_async_16(dst + row * S + col, src, ok ? 16 : 0);
+    }
+  };
+
+  const KeyRange kr = key_range(t, BM, p.window, BN);
+  const bool capped = p.softcap > 0.0f;
+  // Scores go to the log2 domain so that exp2f does the softmax.
+  const float kLog2e = 1.4426950408889634f;
+  const float pre = capped ? p.scale / p.softcap : p.scale * kLog2e;
+  const float post = capped ? p.softcap * kLog2e : 1.0f;
+
+  float o[MT][ND][4];
+  float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int nd = 0; nd < ND; ++nd) o[mt][nd][0] = o[mt][nd][1] = o[mt][nd][2] = o[mt][nd][3] = 0.0f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+  }
+
+  if (kr.n_tiles > 0) load_kv(sK, kc, kr.first_n0);
+  cp_async_commit();
+
+  for (int it = 0; it < kr.n_tiles; ++it) {
+    const int n0 = kr.first_n0 + it * BN;
+    cp_async_wait_all();
+    __syncthreads();  // K (and Q) landed; every warp is done with the previous V
+    load_kv(sV, vc, n0);
+    cp_async_commit();
+
+    // S = Q K^T for this warp's rows: A fragments from Q rows, B fragments from K rows.
+    float s[MT][NB][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        ldmatrix_x4(a[mt], sQ + (wrow + mt * 16 + (lane & 15)) * S + kk * 16 + (lane >> 4) * 8);
+      }
+#pragma unroll
+      for (int nb2 = 0; nb2 < BN / 16; ++nb2) {
+        uint32_t b[4];  // b[0..1]: keys nb2*16+0..7, b[2..3]: keys nb2*16+8..15
+        ldmatrix_x4(b, sK + (nb2 * 16 + (lane & 7) + ((lane >> 4) << 3)) * S + kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>::run(s[mt][2 * nb2], a[mt], b[0], b[1]);
+          Mma<T>::run(s[mt][2 * nb2 + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    // Online softmax. Thread holds rows g and g + 8 of each m16 tile (h = 0, 1), columns
+    // nb*8 + 2*t4 + {0, 1}; a row's 4 threads are lanes 4g..4g+3.
+    const bool full = n0 + BN - 1 <= kr.qp_first && (p.window <= 0 || n0 > kr.qp_last - p.window);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int qpos = kr.qp_first + wrow + mt * 16 + g + h * 8;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float x = s[mt][nb][2 * h + e];
+            x = capped ? tanhf(x * pre) * post : x * pre;
+            if (!full && !visible(n0 + nb * 8 + 2 * t4 + e, qpos, ctx, p.window)) x = -INFINITY;
+            s[mt][nb][2 * h + e] = x;
+            mx = fmaxf(mx, x);
+          }
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[mt][h], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet: keep zeros
+        const float corr = exp2f(row_max[mt][h] - m_use);
+        row_max[mt][h] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = exp2f(s[mt][nb][2 * h + e] - m_use);
+            s[mt][nb][2 * h + e] = pv;
+            sum += pv;
+          }
+        }
+        row_sum[mt][h] = row_sum[mt][h] * corr + sum;  // this thread's share of the row
+#pragma unroll
+        for (int nd = 0; nd < ND; ++nd) {
+          o[mt][nd][2 * h] *= corr;
+          o[mt][nd][2 * h + 1] *= corr;
+        }
+      }
+    }
+
+    // The probabilities as A fragments of P.V (the score accumulators of keys 16kk..16kk+15 are
+    // exactly one), packed now so the fp32 scores die before the next K load is issued.
+    uint32_t pa[MT][BN / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[mt][kk][0] = Mma<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][kk][1] = Mma<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][kk][2] = Mma<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][kk][3] = Mma<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+    }
+
+    cp_async_wait_all();
+    __syncthreads();  // V landed; every warp is done with this K
+    if (it + 1 < kr.n_tiles) {
+      load_kv(sK, kc, n0 + BN);
+      cp_async_commit();
+    }
+
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+      for (int nd2 = 0; nd2 < D / 16; ++nd2) {
+        uint32_t b[4];  // transposed V: b[0..1] dims nd2*16+0..7, b[2..3] dims nd2*16+8..15
+        ldmatrix_x4_trans(b, sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * S + nd2 * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>::run(o[mt][2 * nd2], pa[mt][kk], b[0], b[1]);
+          Mma<T>::run(o[mt][2 * nd2 + 1], pa[mt][kk], b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // With no key tile the Q copies (issued by all warps into all rows) may still be in flight.
+  cp_async_wait_all();
+  __syncthreads();
+  // Normalise and stage this warp's rows in its own Q rows (only this warp ever read them), then
+  // write whole 16-byte chunks.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float l = row_sum[mt][h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      T* dst = sQ + (wrow + mt * 16 + g + h * 8) * S + 2 * t4;
+#pragma unroll
+      for (int nd = 0; nd < ND; ++nd) {
+        *reinterpret_cast<uint32_t*>(dst + nd * 8) = Mma<T>::pack(o[mt][nd][2 * h] * inv, o[mt][nd][2 * h + 1] * inv);
+      }
+    }
+  }
+  __syncwarp();
+  T* out = static_cast<T*>(p.out);
+  for (int c = lane; c < 16 * MT * CH; c += 32) {
+    const int row = c / CH, col = (c - row * CH) * 8;
+    const int qrow = t.m0 + wrow + row;
+    if (qrow < t.q_len) {
+      *reinterpret_cast<uint4*>(out + (int64_t)(t.q_begin + qrow) * p.o_tok + (int64_t)head * p.o_head + col) =
+          *reinterpret_cast<const uint4*>(sQ + (wrow + row) * S + col);
+    }
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------------
+
+template <typename K>
+static int allow_smem(K kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return WLLM_OK;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+  if (err == cudaSuccess) return WLLM_OK;
+  cudaGetLastError();  // not sticky: clear it so later launches start clean
+  return fail(err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction ? WLLM_ERR_NO_KERNEL_IMAGE
+                                                                                             : WLLM_ERR_CUDA,
+              "paged_prefill_attention: cannot reserve %zu bytes of shared memory: %s", bytes,
+              cudaGetErrorString(err));
+}
+
+template <typename T, int D>
+static int launch_simt(const Params& p, int64_t num_tokens, int num_heads, cudaStream_t stream) {
+  const size_t smem = simt_smem_bytes<D>();
+  if (int rc = allow_smem(simt_prefill_kernel<T, D>, smem)) return rc;
+  const dim3 grid((unsigned)(num_tokens / kSimtRows + p.num_seqs), (unsigned)num_heads);
+  simt_prefill_kernel<T, D><<<grid, kSimtThreads, smem, stream>>>(p);
+  return check_launch("paged_prefill_attention (simt)");
+}
+
+template <typename T, int D>
+static int launch_flash(const Params& p, int64_t num_tokens, int num_heads, cudaStream_t stream) {
+  constexpr int BM = 16 * FlashShape<D>::MT * (kFlashThreads / 32);
+  const size_t smem = flash_smem_bytes<T, D>();
+  if (int rc = allow_smem(flash_prefill_kernel<T, D>, smem)) return rc;
+  const dim3 grid((unsigned)(num_tokens / BM + p.num_seqs), (unsigned)num_heads);
+  flash_prefill_kernel<T, D><<<grid, kFlashThreads, smem, stream>>>(p);
+  return check_launch("paged_prefill_attention");
+}
+
+template <typename T>
+static int launch(const Params& p, int64_t num_tokens, int num_heads, int head_size, bool tensor_cores,
+                  cudaStream_t stream) {
+#define WLLM_PREFILL_CASE(D)                                                                        \
+  case D:                                                                                           \
+    return tensor_cores ? launch_flash<T, D>(p, num_tokens, num_heads, stream)                      \
+                        : launch_simt<T, D>(p, num_tokens, num_heads, stream);
+  switch (head_size) {
+    WLLM_PREFILL_CASE(64)
+    WLLM_PREFILL_CASE(80)
+    WLLM_PREFILL_CASE(96)
+    WLLM_PREFILL_CASE(128)
+    WLLM_PREFILL_CASE(256)
+    default:
+      return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_prefill_attention: head size %d unsupported", head_size);
+  }
+#undef WLLM_PREFILL_CASE
+}
+
+template <>
+int launch<float>(const Params& p, int64_t num_tokens, int num_heads, int head_size, bool, cudaStream_t stream) {
+  switch (head_size) {
+    case 64: return launch_simt<float, 64>(p, num_tokens, num_heads, stream);
+    case 80: return launch_simt<float, 80>(p, num_tokens, num_heads, stream);
+    case 96: return launch_simt<float, 96>(p, num_tokens, num_heads, stream);
+    case 128: return launch_simt<float, 128>(p, num_tokens, num_heads, stream);
+    case 256: return launch_simt<float, 256>(p, num_tokens, num_heads, stream);
+    default:
+      return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_prefill_attention: head size %d unsupported", head_size);
+  }
+}
+
+static bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+}  // namespace prefill
+}  // namespace WLLM_NS
+
+WLLM_API int WLLM_FN(wllm_paged_prefill_attention)(
+    void* out, const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+    const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_tokens, int num_seqs, int num_heads,
+    int num_kv_heads, int head_size, int block_size, int64_t block_table_stride, int64_t q_token_stride,
+    int64_t q_head_stride, int64_t out_token_stride, int64_t out_head_stride, int64_t kv_block_stride,
+    int64_t kv_token_stride, int64_t kv_head_stride, float scale, int sliding_window, float logit_softcap,
+    int dtype, void* stream) {
+  using namespace WLLM_NS;
+  using namespace WLLM_NS::prefill;
+  const char* what = "paged_prefill_attention";
+  if (num_tokens < 0 || num_seqs < 0 || num_heads <= 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "%s: bad shape tokens=%lld seqs=%d heads=%d kv_heads=%d", what,
+                (long long)num_tokens, num_seqs, num_heads, num_kv_heads);
+  }
+  if (head_size != 64 && head_size != 80 && head_size != 96 && head_size != 128 && head_size != 256) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "%s: head size %d unsupported (supported: 64, 80, 96, 128, 256)", what,
+                head_size);
+  }
+  if (block_size <= 0 || (block_size & (block_size - 1)) != 0) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "%s: block size %d is not a power of two", what, block_size);
+  }
+  if (sliding_window < 0 || !(logit_softcap >= 0.0f) || !isfinite(scale)) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "%s: bad sliding_window=%d / logit_softcap=%g / scale=%g", what,
+                sliding_window, (double)logit_softcap, (double)scale);
+  }
+  if (num_tokens == 0 || num_seqs == 0) return WLLM_OK;
+  if (!out || !q || !k_cache || !v_cache || !block_tables || !seq_lens || !query_start_loc) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "%s: null pointer", what);
+  }
+  int device = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return fail(WLLM_ERR_CUDA, "%s: %s", what, cudaGetErrorString(err));
+  // The tensor-core kernel copies 16-byte chunks: rows must start on 16-byte boundaries.
+  const bool tensor_cores = dtype != WLLM_FLOAT32 && major >= 8;
+  if (tensor_cores) {
+    const int64_t strides[7] = {q_token_stride, q_head_stride, out_token_stride, out_head_stride,
+                                kv_block_stride, kv_token_stride, kv_head_stride};
+    bool ok = aligned16(out) && aligned16(q) && aligned16(k_cache) && aligned16(v_cache);
+    for (int i = 0; i < 7; ++i) ok = ok && strides[i] % 8 == 0;
+    if (!ok) {
+      return fail(WLLM_ERR_INVALID_ARGUMENT,
+                  "%s: fp16/bf16 tensors must be 16-byte aligned with strides that are multiples of 8 elements",
+                  what);
+    }
+  }
+  int shift = 0;
+  while ((1 << shift) < block_size) ++shift;
+  Params p;
+  p.out = out;
+  p.q = q;
+  p.k = k_cache;
+  p.v = v_cache;
+  p.block_tables = block_tables;
+  p.seq_lens = seq_lens;
+  p.query_start_loc = query_start_loc;
+  p.bt_stride = block_table_stride;
+  p.q_tok = q_token_stride;
+  p.q_head = q_head_stride;
+  p.o_tok = out_token_stride;
+  p.o_head = out_head_stride;
+  p.kv_block = kv_block_stride;
+  p.kv_tok = kv_token_stride;
+  p.kv_head = kv_head_stride;
+  p.num_seqs = num_seqs;
+  p.group = num_heads / num_kv_heads;
+  p.block_shift = shift;
+  p.scale = scale;
+  p.softcap = logit_softcap;
+  p.window = sliding_window;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case WLLM_FLOAT32: return launch<float>(p, num_tokens, num_heads, head_size, false, s);
+    case WLLM_FLOAT16: return launch<__half>(p, num_tokens, num_heads, head_size, tensor_cores, s);
+    case WLLM_BFLOAT16: return launch<__nv_bfloat16>(p, num_tokens, num_heads, head_size, tensor_cores, s);
+    default: return fail(WLLM_ERR_INVALID_ARGUMENT, "%s: unsupported dtype code %d", what, dtype);
+  }
+}
