@@ -1,0 +1,206 @@
+"""Load check for a running wLLM (or any OpenAI-compatible) server.
+
+Ramps the number of concurrent streaming clients (default 1, 2, 4, ... 64); at each level every
+client sends requests back to back until the level's request count is done. Reports, per level:
+time to first token (p50/p95/p99), inter-token latency (p50/p95/p99 over all token gaps),
+end-to-end latency, output tokens/s and requests/s.
+
+    python benchmarks/serve_load.py --base-url http://127.0.0.1:8000/v1
+    python benchmarks/serve_load.py --spawn "--load-format dummy qwen2.5-0.5b --tokenizer ..." --levels 1,8,64
+
+`--spawn ARGS` starts `wllm serve --port 0 ARGS` itself and stops it at the end. Requests use
+`ignore_eos` so every request produces exactly `--max-tokens` tokens (a fixed, comparable load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+PROMPT = ("You are a helpful assistant. Summarise the history of the printing press in Europe, its effect on "
+          "literacy, science and religion, and compare it with the spread of the internet. ")
+
+
+@dataclass
+class RequestResult:
+    ttft: float
+    e2e: float
+    gaps: list[float]
+    tokens: int
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    wall: float
+    results: list[RequestResult] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        ok = [r for r in self.results if r.error is None]
+        ttft = [r.ttft for r in ok]
+        gaps = [g for r in ok for g in r.gaps]
+        tokens = sum(r.tokens for r in ok)
+        return {
+            "concurrency": self.concurrency,
+            "requests": len(self.results),
+            "errors": len(self.results) - len(ok),
+            "ttft_p50_ms": pct(ttft, 50) * 1e3,
+            "ttft_p95_ms": pct(ttft, 95) * 1e3,
+            "ttft_p99_ms": pct(ttft, 99) * 1e3,
+            "itl_p50_ms": pct(gaps, 50) * 1e3,
+            "itl_p95_ms": pct(gaps, 95) * 1e3,
+            "itl_p99_ms": pct(gaps, 99) * 1e3,
+            "e2e_p50_s": pct([r.e2e for r in ok], 50),
+            "output_tok_s": tokens / self.wall if self.wall else 0.0,
+            "req_s": len(ok) / self.wall if self.wall else 0.0,
+        }
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, max_tokens: int, headers: dict[str, str],
+                      prompt: str) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first: float | None = None
+    last = start
+    gaps: list[float] = []
+    tokens = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                return RequestResult(0.0, 0.0, [], 0, f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return RequestResult(0.0, 0.0, [], 0, str(event["error"]))
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        return RequestResult(0.0, 0.0, [], 0, f"{type(exc).__name__}: {exc}")
+    end = time.perf_counter()
+    return RequestResult((first or end) - start, end - start, gaps, tokens)
+
+
+async def run_level(base_url: str, model: str, concurrency: int, n_requests: int, max_tokens: int,
+                    api_key: str | None = None, prompt: str = PROMPT) -> LevelResult:
+    """Run `n_requests` streaming completions with `concurrency` clients sending back to back."""
+    url = base_url.rstrip("/") + "/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    todo = list(range(n_requests))
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def worker() -> None:
+            while todo:
+                i = todo.pop()
+                # A distinct prefix per request keeps the prefix cache from turning this into a cache test.
+                results.append(await one_request(client, url, model, max_tokens, headers, f"[{i}] {prompt}"))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return LevelResult(concurrency, n_requests, wall, results)
+
+
+def spawn_server(args: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "wllm.cli", "serve", "--port", "0", *shlex.split(args)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.search(r"wLLM ready: serving \S+ at (http://\S+/v1)", line)
+        if m:
+            return proc, m.group(1)
+    raise SystemExit(f"the server exited before it was ready (status {proc.wait()})")
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ("| clients | requests | errors | TTFT p50/p95/p99 (ms) | ITL p50/p95/p99 (ms) | e2e p50 (s) "
+            "| output tok/s | req/s |")
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        lines.append(
+            f"| {r['concurrency']} | {r['requests']} | {r['errors']} "
+            f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
+            f"| {r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} / {r['itl_p99_ms']:.1f} "
+            f"| {r['e2e_p50_s']:.2f} | {r['output_tok_s']:.1f} | {r['req_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--spawn", default=None, metavar="ARGS", help="start `wllm serve --port 0 ARGS` and use it")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="model name (default: the server's first model)")
+    p.add_argument("--levels", default="1,2,4,8,16,32,64", help="comma-separated client counts")
+    p.add_argument("--requests-per-client", type=int, default=2, help="requests per client at each level")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+
+    proc = None
+    base_url = args.base_url
+    if args.spawn is not None:
+        proc, base_url = spawn_server(args.spawn)
+    try:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = args.model or httpx.get(base_url.rstrip("/") + "/models", headers=headers).json()["data"][0]["id"]
+        version = httpx.get(base_url.removesuffix("/v1").rstrip("/") + "/version").json().get("version", "?")
+        print(f"server {base_url} (wllm {version}), model {model}, {args.max_tokens} output tokens per request")
+        rows = []
+        for level in (int(x) for x in args.levels.split(",")):
+            result = asyncio.run(run_level(base_url, model, level, level * args.requests_per_client, args.max_tokens,
+                                           args.api_key))
+            row = result.summary()
+            rows.append(row)
+            print(format_table([row]).splitlines()[-1], flush=True)
+            errors = [r.error for r in result.results if r.error]
+            if errors:
+                print(f"  first error: {errors[0]}", flush=True)
+        print()
+        print(format_table(rows))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"base_url": base_url, "model": model, "max_tokens": args.max_tokens, "levels": rows}, f,
+                          indent=2)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""benchmarks/serve_load.py against an in-process uvicorn server running the scripted engine."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from wllm.entrypoints.openai.app import create_app
+from wllm.entrypoints.openai.config import ServerConfig
+from wllm.entrypoints.openai.fake_engine import ScriptedEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench() -> Any:
+    """Import benchmarks/serve_load.py (benchmarks/ is not a package)."""
+    if "serve_load" in sys.modules:
+        return sys.modules["serve_load"]
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "benchmarks" / "serve_load.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_load"] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+class _ThreadServer(uvicorn.Server):
+    ready = threading.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        self.ready.set()
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    app = create_app(ScriptedEngine(max_model_len=512), ServerConfig(served_model_names=["tiny"]))
+    server = _ThreadServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False,
+                                          loop="asyncio", http="h11"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert server.ready.wait(timeout=30)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_run_level_measures_every_request(base_url: str) -> None:
+    bench = load_bench()
+    result = asyncio.run(bench.run_level(base_url, "tiny", concurrency=4, n_requests=8, max_tokens=12))
+    assert len(result.results) == 8 and all(r.error is None for r in result.results)
+    assert all(r.tokens == 12 and len(r.gaps) == 11 for r in result.results)  # ignore_eos: exactly max_tokens
+    summary = result.summary()
+    assert summary["errors"] == 0 and summary["output_tok_s"] > 0
+    assert 0 < summary["ttft_p50_ms"] <= summary["ttft_p95_ms"] <= summary["ttft_p99_ms"]
+    assert "| 4 | 8 | 0 |" in bench.format_table([summary])
+
+
+def test_errors_are_counted_not_raised(base_url: str) -> None:
+    bench = load_bench()
+    result = asyncio.run(bench.run_level(base_url, "no-such-model", concurrency=2, n_requests=2, max_tokens=4))
+    assert [r.error.startswith("HTTP 404") for r in result.results] == [True, True]
+    assert result.summary()["errors"] == 2
+
+
+def test_percentile_nearest_rank() -> None:
+    bench = load_bench()
+    assert bench.pct([], 50) == 0.0
+    assert bench.pct([3.0, 1.0, 2.0], 50) == 2.0
+    assert bench.pct(list(range(1, 101)), 99) == 99
+    assert bench.pct([5.0], 99) == 5.0
