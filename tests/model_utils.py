@@ -3,6 +3,8 @@ compare wLLM against them (logits on a mixed prefill/decode batch, greedy contin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -67,6 +69,18 @@ TINY_MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
     ),
 }
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch single-threaded: these models are small-op bound, and on a shared 2-core machine
+    intra-op thread hand-offs cost several times the work itself (measured 7x on SmolLM2 decode)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @torch.no_grad()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import gc
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from model_utils import batch_logit_diff, prompts, tiny_hf_model
+from model_utils import batch_logit_diff, one_thread, prompts, tiny_hf_model
 from safetensors.torch import load_file, save_file
 
 from wllm.model.config import ConfigError, ModelConfig
@@ -17,6 +18,12 @@ from wllm.model.contiguous_attention import ContiguousAttention
 from wllm.model.loader import ModelLoadError, load_model
 from wllm.model.loader.dummy import DUMMY_CONFIGS
 from wllm.model.models import ModelBase, supported_architectures
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ compared against HF run with the same quantize-dequantize round trip), loaded by
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 from gguf_writer import GGMLType, write_gguf
-from model_utils import TINY_MODELS, batch_logit_diff, check_greedy, prompts, tiny_hf_bert, tiny_hf_model
+from model_utils import TINY_MODELS, batch_logit_diff, check_greedy, one_thread, prompts, tiny_hf_bert, tiny_hf_model
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from wllm.model.contiguous_attention import ContiguousAttention
@@ -22,6 +23,12 @@ from wllm.model.loader import load_model
 # llama.cpp's llama architecture has no sliding-window key, so a windowed Mistral cannot round-trip
 # through GGUF; Mistral without a window is the llama case.
 GGUF_MODELS = sorted(n for n in TINY_MODELS if n != "mistral")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
 
 
 @pytest.fixture(autouse=True)

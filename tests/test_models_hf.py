@@ -3,14 +3,21 @@ loaded by wLLM's loader; float32 logits and greedy continuations must match."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from model_utils import TINY_MODELS, batch_logit_diff, check_greedy, prompts, tiny_hf_bert, tiny_hf_model
+from model_utils import TINY_MODELS, batch_logit_diff, check_greedy, one_thread, prompts, tiny_hf_bert, tiny_hf_model
 
 from wllm.model.contiguous_attention import ContiguousAttention
 from wllm.model.loader import load_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
 
 
 @pytest.fixture(autouse=True)

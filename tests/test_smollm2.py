@@ -3,9 +3,12 @@ HF transformers' own GGUF load of the same file (both dequantize to float32)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import transformers as tf
+from model_utils import one_thread
 
 from wllm.model.contiguous_attention import ContiguousAttention, greedy_generate
 from wllm.model.default_model import default_model_path
@@ -26,6 +29,12 @@ TEXT = (
     "moons of Jupiter, the phases of Venus and countless stars in the Milky Way. Newton then "
     "explained all of it with a single law of gravitation, and astronomy became physics."
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +77,8 @@ def _hf_greedy(hf: tf.PreTrainedModel, ids: list[int], n: int) -> list[int]:
     inp = torch.tensor([ids])
     out: list[int] = []
     for _ in range(n):
-        res = hf(inp, past_key_values=past, use_cache=True)
-        past = res.past_key_values
+        res = hf(inp, cache=past, use_cache=True)
+        past = res.cache
         out.append(int(res.logits[0, -1].argmax()))
         inp = torch.tensor([[out[-1]]])
     return out
