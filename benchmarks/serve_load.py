@@ -125,8 +125,9 @@ async def run_level(base_url: str, model: str, concurrency: int, n_requests: int
         async def worker() -> None:
             while todo:
                 i = todo.pop()
-                # A distinct prefix per request keeps the prefix cache from turning this into a cache test.
-                results.append(await one_request(client, url, model, max_tokens, headers, f"[{i}] {prompt}"))
+                # A prefix unique per level and request keeps this from turning into a prefix-cache test.
+                results.append(await one_request(client, url, model, max_tokens, headers,
+                                                 f"[{concurrency}.{i}] {prompt}"))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -67,6 +67,10 @@ class _EngineCollector(Collector):
             ("wllm_num_preemptions", "Preemptions since start", ("num_preemptions", "preemptions")),
             ("wllm_prefix_cache_queries", "Prefix cache block lookups since start", ("prefix_cache_queries",)),
             ("wllm_prefix_cache_hits", "Prefix cache block hits since start", ("prefix_cache_hits",)),
+            ("wllm_prefix_cache_evictions", "Cached blocks evicted for reuse since start", ("prefix_cache_evictions",)),
+            ("wllm_num_preemptions_swap", "Preemptions resolved by swapping to CPU", ("num_preemptions_swap",)),
+            ("wllm_num_preemptions_recompute", "Preemptions resolved by recomputation",
+             ("num_preemptions_recompute",)),
         ]
         for name, doc, keys in counters:
             value = _stat(stats, *keys)
