@@ -382,3 +382,27 @@ def test_tokenize_detokenize_version_openapi(client: TestClient) -> None:
     assert client.get("/version").json() == {"version": __version__}
     schema = client.get("/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize"} <= set(schema["paths"])
+
+
+def test_logprob_bytes_are_exact_for_partial_characters() -> None:
+    from wllm.entrypoints.openai.fake_engine import CharTokenizer
+    from wllm.entrypoints.openai.serving_common import ServerContext
+    from wllm.observability.metrics import ServerMetrics
+
+    class PieceTokenizer(CharTokenizer):
+        pieces = {900: "ä½", 901: "<0xE4>", 902: "Ġhi"}
+
+        def decode(self, token_ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
+            return "".join("\ufffd" if t in (900, 901) else " hi" if t == 902 else super().decode([t])
+                           for t in token_ids)
+
+        def id_to_token(self, token_id: int) -> str | None:
+            return self.pieces.get(token_id)
+
+    engine = ScriptedEngine()
+    engine.tokenizer = PieceTokenizer()
+    ctx = ServerContext(engine, ServerConfig(), ServerMetrics(), None)
+    assert ctx.token_bytes(900) == [0xE4, 0xBD]  # byte-level BPE piece: the first two bytes of 你
+    assert ctx.token_bytes(901) == [0xE4]  # SentencePiece byte fallback
+    assert ctx.token_bytes(902) == list(b" hi")
+    assert ctx.token_bytes(ord("é") + 3) == list("é".encode())

@@ -92,9 +92,9 @@ def chat_logprobs(ctx: ServerContext, steps: list[StepLogprobs], top_n: int) -> 
     content = []
     for step in steps:
         text = ctx.token_text(step.token_id)
-        top = [TopLogprob(ctx.token_text(t.token_id), clean_logprob(t.logprob),
-                          list(ctx.token_text(t.token_id).encode())) for t in step.top[:top_n]]
-        content.append(ChatLogprobToken(text, clean_logprob(step.logprob), list(text.encode()), top))
+        top = [TopLogprob(ctx.token_text(t.token_id), clean_logprob(t.logprob), ctx.token_bytes(t.token_id))
+               for t in step.top[:top_n]]
+        content.append(ChatLogprobToken(text, clean_logprob(step.logprob), ctx.token_bytes(step.token_id), top))
     return ChatLogprobs(content=content)
 
 

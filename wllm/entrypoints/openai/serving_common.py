@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -98,6 +99,21 @@ class ServerContext:
         if not self.engine.is_healthy():
             raise service_unavailable("The engine is not running; try again later.", self.config.retry_after_s)
 
+    def token_bytes(self, token_id: int) -> list[int]:
+        """A token's raw UTF-8 bytes: exact even for tokens that hold part of a character."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return list(text.encode())
+        id_to_token = getattr(self.engine.tokenizer, "id_to_token", None)
+        piece = id_to_token(token_id) if id_to_token is not None else None
+        if piece:
+            m = _BYTE_FALLBACK.match(piece)
+            if m:  # SentencePiece byte-fallback token
+                return [int(m.group(1), 16)]
+            if all(c in _BYTE_LEVEL for c in piece):  # byte-level BPE piece
+                return [_BYTE_LEVEL[c] for c in piece]
+        return list(text.encode())
+
     def token_text(self, token_id: int) -> str:
         """The text of a single token, as shown in logprobs (cached: the vocabulary is fixed)."""
         text = self._token_text.get(token_id)
@@ -106,6 +122,26 @@ class ServerContext:
             if len(self._token_text) < 1_000_000:
                 self._token_text[token_id] = text
         return text
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet: each byte 0-255 is spelled by one printable character.
+
+    Printable Latin-1 bytes spell themselves; the rest (controls, space, 0x7F-0xA0, 0xAD) are
+    moved up to code points 256, 257, ... in byte order. Used to recover a token's raw bytes.
+    """
+    direct = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {chr(b): b for b in direct}
+    shifted = 0
+    for b in range(256):
+        if b not in direct:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def clean_logprob(value: float) -> float:
