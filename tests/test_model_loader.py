@@ -272,3 +272,28 @@ def test_dummy_errors(llama_dir: Path) -> None:
         load_model("gpt-5", load_format="dummy")
     loaded = load_model(llama_dir, load_format="dummy")
     assert loaded.config.hidden_size == 64 and loaded.tokenizer_path == llama_dir
+
+
+@pytest.mark.cuda
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b", "qwen2.5-0.5b", "llama-3.2-1b"])
+def test_dummy_real_shape_on_cuda(name: str) -> None:
+    import time
+
+    start = time.perf_counter()
+    loaded = load_model(name, load_format="dummy", device="cuda")
+    torch.cuda.synchronize()
+    took = time.perf_counter() - start
+    model = loaded.model
+    assert loaded.dtype == torch.bfloat16 and next(model.parameters()).is_cuda
+    ctx = ContiguousAttention()
+    ctx.prepare([0, 1], [37, 5])
+    ids = torch.randint(0, loaded.config.vocab_size, (42,), device="cuda")
+    pos = torch.cat([torch.arange(37), torch.arange(5)]).cuda()
+    logits = model.compute_logits(model(ids, pos, ctx))
+    assert logits.shape == (42, loaded.config.vocab_size) and torch.isfinite(logits).all()
+    # Random init straight on the GPU: seconds, not minutes, even for 8B.
+    assert took < 30, f"dummy {name} took {took:.1f}s"
+    print(f"dummy {name}: {took:.2f}s, {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB peak")
+    del model, loaded
+    torch.cuda.empty_cache()

@@ -107,3 +107,31 @@ def test_bfloat16_load_is_close(tmp_path: Path) -> None:
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
     # bf16 keeps ~3 significant digits; logits of this tiny model are O(1).
     assert batch_logit_diff(loaded.model, hf, prompts((10,))) < 0.1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_architecture_on_cuda_kernels(name: str, tmp_path: Path) -> None:
+    # The CUDA path (RMSNorm and rotary kernels on strided q/k views) against HF on the CPU.
+    hf = tiny_hf_model(name)
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, dtype="float32", device="cuda")
+    assert loaded.device.type == "cuda"
+    seqs = prompts((20, 13))
+    assert batch_logit_diff(_CpuLogits(loaded.model), hf, seqs) < 1e-3
+    check_greedy(_CpuLogits(loaded.model), hf, seqs[1], 32)
+
+
+class _CpuLogits(torch.nn.Module):
+    """Runs a CUDA model on CPU token tensors and returns CPU logits, for the CPU-side helpers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+        self.dev = next(model.parameters()).device
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ContiguousAttention) -> torch.Tensor:
+        return self.inner(ids.to(self.dev), positions.to(self.dev), ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.inner.compute_logits(hidden).cpu()
