@@ -297,3 +297,53 @@ def test_dummy_real_shape_on_cuda(name: str) -> None:
     print(f"dummy {name}: {took:.2f}s, {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB peak")
     del model, loaded
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "attention_factor": 0.9,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+            "mscale": 0.7,
+            "mscale_all_dim": 1.0,
+        },
+    ],
+    ids=["linear", "llama3", "yarn", "yarn-params", "yarn-mscale"],
+)
+def test_rope_scaling_matches_hf(rope: dict) -> None:
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from wllm.model.config import rope_attention_factor, rope_inv_freq
+
+    theta = 500000.0
+    hf_cfg = tf.LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        max_position_embeddings=2048,
+        rope_parameters={**rope, "rope_theta": theta},
+    )
+    ref, ref_factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg, "cpu")
+    ours = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    assert ours.rope_theta == theta and ours.rope_scaling["rope_type"] == rope["rope_type"]
+    torch.testing.assert_close(rope_inv_freq(ours), ref.float(), rtol=1e-6, atol=0)
+    assert rope_attention_factor(ours) == pytest.approx(ref_factor)
