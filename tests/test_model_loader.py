@@ -60,6 +60,11 @@ def test_config_defaults_and_normalisation() -> None:
     cfg = ModelConfig.from_hf(base)
     assert (cfg.num_key_value_heads, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling) == (4, 16, 10000.0, None)
     assert cfg.attention_scale == 16**-0.5 and cfg.rotary_dim == 16
+    assert not cfg.tie_word_embeddings  # LlamaConfig's default when the key is absent
+    gemma = ModelConfig.from_hf(
+        {**base, "architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu"}
+    )
+    assert gemma.tie_word_embeddings and gemma.hidden_act == "gelu_pytorch_tanh"
     # Old-style "type" key and v5-style rope_parameters both normalise to rope_type.
     old = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})

@@ -28,8 +28,9 @@ _DTYPE_NAMES = {
     "bf16": torch.bfloat16,
 }
 
-# Defaults that differ from HF's generic PretrainedConfig defaults, per model_type.
 _ROPE_THETA_DEFAULT = 10000.0
+# Families whose HF config class ties the LM head to the embedding unless told otherwise.
+_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "bert"})
 
 
 class ConfigError(ValueError):
@@ -146,8 +147,8 @@ class ModelConfig(msgspec.Struct, kw_only=True):
         eos_ids = [int(e) for e in eos] if isinstance(eos, list) else ([int(eos)] if eos is not None else [])
         tie = hf.get("tie_word_embeddings")
         if tie is None:
-            # HF's PretrainedConfig default is True; Gemma and BERT rely on it.
-            tie = True
+            # Absent from config.json: use the HF config class's default for the family.
+            tie = model_type in _TIED_BY_DEFAULT
         dtype = hf.get("torch_dtype") or hf.get("dtype")
 
         return cls(

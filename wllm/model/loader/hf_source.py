@@ -16,6 +16,7 @@ HUB_ALLOW_PATTERNS = [
     "*.safetensors",
     "tokenizer.model",
     "*.tiktoken",
+    "*.jinja",  # chat_template.jinja (newer repos keep the template beside tokenizer_config.json)
     "merges.txt",
     "vocab.txt",
     "vocab.json",
