@@ -125,12 +125,17 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps, norm_offset)
         self.embed_scale = embed_scale
+        self._scales: dict[torch.dtype, float] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
-            # Gemma rounds the scale to the activation dtype before multiplying; so do we.
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+            # Gemma rounds the scale to the activation dtype before multiplying; a Python float
+            # holding that rounded value gives the same products without a tensor per call.
+            scale = self._scales.get(hidden.dtype)
+            if scale is None:
+                scale = self._scales[hidden.dtype] = float(torch.tensor(self.embed_scale, dtype=hidden.dtype))
+            hidden = hidden * scale
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
