@@ -80,3 +80,78 @@ WLLM_API int WLLM_FN(wllm_paged_prefill_attention)(
     int64_t q_head_stride, int64_t out_token_stride, int64_t out_head_stride, int64_t kv_block_stride,
     int64_t kv_token_stride, int64_t kv_head_stride, float scale, int sliding_window, float logit_softcap,
     int dtype, void* stream);
+
+// ---- Decode path (cache.cu, attention_decode.cu, activation.cu, sampling.cu) ----
+
+// Writes the new keys/values key/value [num_tokens, num_kv_heads, head_size] (token and head
+// strides given, head dims contiguous) into key_cache/value_cache [num_blocks, block_size,
+// num_kv_heads, head_size] (shared block/token/head strides) at slot_mapping[t] (int64, device) =
+// block * block_size + offset. Slots < 0 (graph padding) or >= num_blocks * block_size are skipped.
+WLLM_API int WLLM_FN(wllm_reshape_and_cache)(const void* key, const void* value, void* key_cache,
+                                             void* value_cache, const int64_t* slot_mapping, int64_t num_tokens,
+                                             int num_kv_heads, int head_size, int block_size, int64_t num_blocks,
+                                             int64_t key_token_stride, int64_t key_head_stride,
+                                             int64_t value_token_stride, int64_t value_head_stride,
+                                             int64_t cache_block_stride, int64_t cache_token_stride,
+                                             int64_t cache_head_stride, int dtype, void* stream);
+
+// Copies whole blocks between two caches (or inside one): for each (src, dst) pair of `pairs`
+// (int64 [num_pairs, 2], HOST memory), block_bytes contiguous bytes at src + plane * src_plane_stride +
+// src * src_block_stride go to the same plane of dst, for num_planes planes (layers x K/V). Either
+// side may be device or pinned host memory (cudaMemcpyDefault). Runs of consecutive pairs become
+// one 2D copy each, so a swap is one call per direction. Strides in bytes.
+WLLM_API int WLLM_FN(wllm_copy_blocks)(const void* src, void* dst, const int64_t* pairs, int64_t num_pairs,
+                                       int64_t num_planes, int64_t block_bytes, int64_t src_num_blocks,
+                                       int64_t dst_num_blocks, int64_t src_block_stride, int64_t dst_block_stride,
+                                       int64_t src_plane_stride, int64_t dst_plane_stride, void* stream);
+
+// Bytes of fp32 workspace wllm_paged_decode_attention needs for these sizes (0 when it will not split).
+WLLM_API int WLLM_FN(wllm_paged_decode_workspace_size)(int num_seqs, int num_heads, int num_kv_heads, int head_size,
+                                                       int64_t max_seq_len, int num_splits, int64_t* bytes);
+
+// Paged decode attention: one query per sequence. q [num_seqs, num_heads, head_size], out likewise
+// (own strides, contiguous head dims); K/V of sequence s in blocks block_tables[s * block_table_stride
+// + j] of k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_size] (shared strides);
+// seq_lens int32 [num_seqs] (device) counts the context, the current token included; a 0 gives a zero
+// output row. Scores are q.k * scale, then logit_softcap * tanh(score / logit_softcap) when
+// logit_softcap > 0; only the last sliding_window keys when sliding_window > 0. max_seq_len is a host
+// bound on seq_lens that sizes the split grid (a CUDA graph captured for it serves any shorter
+// context); num_splits 0 splits automatically, > 0 asks for that many (tests, tuning). The workspace
+// (fp32, 16-byte aligned) must hold wllm_paged_decode_workspace_size(...) bytes for the same sizes.
+// fp16/bf16/fp32; head_size 64, 80, 96, 128 or 256; block_size a power of two >= 8; q and caches
+// 16-byte aligned with strides that are multiples of 16 bytes.
+WLLM_API int WLLM_FN(wllm_paged_decode_attention)(
+    void* out, const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+    const int32_t* seq_lens, int num_seqs, int num_heads, int num_kv_heads, int head_size, int block_size,
+    int64_t max_seq_len, int64_t block_table_stride, int64_t q_seq_stride, int64_t q_head_stride,
+    int64_t out_seq_stride, int64_t out_head_stride, int64_t kv_block_stride, int64_t kv_token_stride,
+    int64_t kv_head_stride, float scale, int sliding_window, float logit_softcap, int num_splits, void* workspace,
+    int64_t workspace_bytes, int dtype, void* stream);
+
+// out[r, i] = act(x[r, i]) * x[r, inter + i] for i < inter (x rows are [gate | up]), fp32 math.
+// activation: 0 = SiLU, 1 = tanh-approximated GELU.
+WLLM_API int WLLM_FN(wllm_act_and_mul)(void* out, const void* x, int64_t rows, int64_t inter, int64_t out_row_stride,
+                                       int64_t x_row_stride, int activation, int dtype, void* stream);
+
+// Samples one token per row of fp32 logits [num_rows, vocab] (row_stride apart). Per row r:
+// params_f32[r] = (temperature, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty),
+// params_i64[r] = (top_k, seed, position). logit_bias is CSR: entries bias_offsets[r] ..
+// bias_offsets[r + 1] - 1 of (bias_tokens, bias_values) are added (duplicates add up; -inf bans, e.g.
+// for min_tokens). Penalties are CSR too: (penalty_tokens, penalty_counts) lists each token of the
+// prompt or output once with its count in the output (0 = prompt only); seen tokens get the
+// repetition penalty (positive logits divided, others multiplied), then logit -= frequency * count +
+// presence when count > 0. Either offsets pointer may be NULL (no entries). saved (fp32) holds
+// bias_offsets[num_rows] + penalty_offsets[num_rows] floats of scratch; logits are modified during
+// the call and restored before it returns. temperature <= 0: argmax of the processed logits (first
+// index on ties). Otherwise x = logits / temperature; keep x >= the top_k-th largest (top_k in
+// (0, vocab)); then, over those, the tokens whose strictly-more-probable mass is < top_p (ties with
+// the last kept value kept); and exp(x - max) >= min_p; then pick argmax(x - log E_i), E_i ~ Exp(1)
+// from Philox4x32-10 with key = seed and counter = (i / 4, position). Writes out_tokens (int64) and
+// out_logprobs (the raw log-softmax of the chosen token); raw_logprobs (optional, [num_rows, vocab],
+// raw_logprobs_stride apart) receives the whole raw log-softmax.
+WLLM_API int WLLM_FN(wllm_sample)(float* logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
+                                  const float* params_f32, const int64_t* params_i64, const int32_t* bias_offsets,
+                                  const int32_t* bias_tokens, const float* bias_values, const int32_t* penalty_offsets,
+                                  const int32_t* penalty_tokens, const int32_t* penalty_counts, float* saved,
+                                  int64_t* out_tokens, float* out_logprobs, float* raw_logprobs,
+                                  int64_t raw_logprobs_stride, void* stream);

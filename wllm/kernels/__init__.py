@@ -1,17 +1,40 @@
 """wLLM kernels: the prebuilt CUDA library behind custom ops, with pure-PyTorch references."""
 
 from wllm.kernels._lib import KernelError, KernelLibraryError, available, build_info
-from wllm.kernels.ops import fused_add_rms_norm, paged_prefill_attention, rms_norm, rotary_embedding
+from wllm.kernels.ops import (
+    act_and_mul,
+    copy_blocks,
+    decode_workspace_size,
+    fused_add_rms_norm,
+    gelu_tanh_and_mul,
+    pack_sampling_rows,
+    paged_decode_attention,
+    paged_prefill_attention,
+    reshape_and_cache,
+    rms_norm,
+    rotary_embedding,
+    sample,
+    silu_and_mul,
+)
 from wllm.kernels.reference import rotary_cos_sin_cache
 
 __all__ = [
     "KernelError",
     "KernelLibraryError",
+    "act_and_mul",
     "available",
     "build_info",
+    "copy_blocks",
+    "decode_workspace_size",
     "fused_add_rms_norm",
+    "gelu_tanh_and_mul",
+    "pack_sampling_rows",
+    "paged_decode_attention",
     "paged_prefill_attention",
+    "reshape_and_cache",
     "rms_norm",
     "rotary_cos_sin_cache",
     "rotary_embedding",
+    "sample",
+    "silu_and_mul",
 ]

@@ -40,6 +40,20 @@ SIGNATURES: dict[str, list] = {
                                      c_int64, c_int, c_int, c_int, c_int, c_int, c_int64, c_int64, c_int64,
                                      c_int64, c_int64, c_int64, c_int64, c_int64, c_float, c_int, c_float, c_int,
                                      c_void_p],
+    # Decode path: KV write, block copy, decode attention, gated activation, sampling.
+    "wllm_reshape_and_cache": [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int, c_int,
+                               c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int,
+                               c_void_p],
+    "wllm_copy_blocks": [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,
+                         c_int64, c_int64, c_int64, c_void_p],
+    "wllm_paged_decode_workspace_size": [c_int, c_int, c_int, c_int, c_int64, c_int, ctypes.POINTER(c_int64)],
+    "wllm_paged_decode_attention": [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_int, c_int,
+                                    c_int, c_int, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,
+                                    c_int64, c_int64, c_float, c_int, c_float, c_int, c_void_p, c_int64, c_int,
+                                    c_void_p],
+    "wllm_act_and_mul": [c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int, c_int, c_void_p],
+    "wllm_sample": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
+                    c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p],
 }
 
 

@@ -8,6 +8,9 @@ decode loop is host-bound on small models.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
+
 import torch
 
 from wllm.kernels import _lib, reference
@@ -226,6 +229,10 @@ def _check_prefill_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                          f"got {tuple(block_tables.shape)}, {tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}")
     if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
         raise ValueError(f"{what}: q and the KV cache must share a dtype, got {q.dtype} and {k_cache.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.device != q.device:
+            raise ValueError(f"{what}: {name} is on {t.device} but q on {q.device}")
 
 
 def _cuda_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -308,3 +315,412 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out.copy_(result)
         return out
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode path: KV write, block copy, decode attention, gated activation, sampling
+# ---------------------------------------------------------------------------------------------
+
+DECODE_HEAD_SIZES = (64, 80, 96, 128, 256)
+_ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
+
+
+def _kv_view(t: torch.Tensor, cache: torch.Tensor, what: str) -> torch.Tensor:
+    """[T, Hkv, D] view of new keys/values given as [T, Hkv, D] or [T, Hkv * D]."""
+    if t.dim() == 2:
+        t = t.unflatten(-1, (cache.shape[2], cache.shape[3]))
+    if t.dim() != 3 or t.shape[1:] != cache.shape[2:] or t.stride(-1) != 1:
+        raise ValueError(f"reshape_and_cache: {what} {tuple(t.shape)} does not match the cache's heads "
+                         f"{tuple(cache.shape[2:])} (or its last dim is not contiguous)")
+    return t
+
+
+def _cuda_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    what = "reshape_and_cache"
+    _check_same(what, key_cache, key, value, value_cache)
+    code = _dtype_code(key_cache, what)
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError(f"{what}: caches must both be [num_blocks, block_size, Hkv, D] with the same strides")
+    key, value = _kv_view(key, key_cache, "key"), _kv_view(value, key_cache, "value")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (key.shape[0],) or value.shape != key.shape:
+        raise ValueError(f"{what}: slot_mapping must be int64 [{key.shape[0]}] and key/value the same shape")
+    lib = _lib.binding(key.device.index or 0)
+    lib.check(lib.wllm_reshape_and_cache(
+        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        slot_mapping.contiguous().data_ptr(), key.shape[0], key_cache.shape[2], key_cache.shape[3],
+        key_cache.shape[1], key_cache.shape[0], key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), code, _stream(key)), what)
+
+
+def _planes(t: torch.Tensor, block_dim: int, what: str) -> tuple[int, int, int, int]:
+    """(planes, plane stride, block stride, block bytes) of a cache whose dims before block_dim
+    collapse into one strided dimension and whose dims after it are contiguous."""
+    esize = t.element_size()
+    inner = 1
+    for d in range(t.dim() - 1, block_dim, -1):
+        if t.stride(d) != inner:
+            raise ValueError(f"copy_blocks: {what} blocks are not contiguous (strides {t.stride()})")
+        inner *= t.shape[d]
+    planes = 1
+    for d in range(block_dim - 1, -1, -1):
+        if d < block_dim - 1 and t.stride(d) != t.stride(d + 1) * t.shape[d + 1]:
+            raise ValueError(f"copy_blocks: the leading dims of {what} do not collapse (strides {t.stride()})")
+        planes *= t.shape[d]
+    plane_stride = t.stride(block_dim - 1) if block_dim else t.shape[block_dim] * t.stride(block_dim)
+    return planes, plane_stride * esize, t.stride(block_dim) * esize, inner * esize
+
+
+def _cuda_copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block_dim: int) -> None:
+    what = "copy_blocks"
+    if src.dtype != dst.dtype or src.shape[:block_dim] != dst.shape[:block_dim] or \
+            src.shape[block_dim + 1:] != dst.shape[block_dim + 1:]:
+        raise ValueError(f"{what}: caches differ: {src.dtype} {tuple(src.shape)} vs {dst.dtype} {tuple(dst.shape)}")
+    planes, src_plane, src_block, block_bytes = _planes(src, block_dim, "src")
+    _, dst_plane, dst_block, _ = _planes(dst, block_dim, "dst")
+    host_pairs = pairs.to("cpu", torch.int64).contiguous()
+    device = src.device if src.is_cuda else dst.device
+    lib = _lib.binding(device.index or 0)
+    lib.check(lib.wllm_copy_blocks(src.data_ptr(), dst.data_ptr(), host_pairs.data_ptr(), host_pairs.shape[0],
+                                   planes, block_bytes, src.shape[block_dim], dst.shape[block_dim], src_block,
+                                   dst_block, src_plane, dst_plane, torch.cuda.current_stream(device).cuda_stream),
+              what)
+
+
+def decode_workspace_size(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
+                          num_splits: int = 0, device: int = 0) -> int:
+    """Bytes of fp32 workspace paged_decode_attention needs for these sizes (0: it will not split)."""
+    size = _lib.c_int64(0)
+    lib = _lib.binding(device)
+    lib.check(lib.wllm_paged_decode_workspace_size(num_seqs, num_heads, num_kv_heads, head_size, max_seq_len,
+                                                   num_splits, _lib.ctypes.byref(size)), "paged_decode_workspace_size")
+    return size.value
+
+
+def _check_decode_args(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    what = "paged_decode_attention"
+    if q.dim() != 3 or key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(f"{what}: expected q [S, Hq, D] and caches [num_blocks, block_size, Hkv, D], got "
+                         f"{tuple(q.shape)}, {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    if key_cache.shape[3] != q.shape[2] or q.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"{what}: q has {q.shape[1]} heads of {q.shape[2]}, the cache {key_cache.shape[2]} of "
+                         f"{key_cache.shape[3]}; head sizes must match and Hq be a multiple of Hkv")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.dim() != 2 or \
+            seq_lens.shape != (q.shape[0],) or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"{what}: expected block_tables int32 [S, max_blocks] and seq_lens int32 [S] for S = "
+                         f"{q.shape[0]}, got {block_tables.dtype} {tuple(block_tables.shape)} and {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if q.dtype != key_cache.dtype or q.dtype != value_cache.dtype:
+        raise ValueError(f"{what}: q and the caches must share a dtype, got {q.dtype} and {key_cache.dtype}")
+
+
+def _cuda_paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                                 sliding_window: int, logit_softcap: float, num_splits: int,
+                                 out: torch.Tensor | None = None,
+                                 workspace: torch.Tensor | None = None) -> torch.Tensor:
+    what = "paged_decode_attention"
+    _check_decode_args(q, key_cache, value_cache, block_tables, seq_lens)
+    code = _dtype_code(q, what)
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
+        raise ValueError(f"{what}: k and v caches must share strides and have contiguous head dims")
+    vec = 16 // q.element_size()
+    if q.stride(-1) != 1 or q.data_ptr() % 16 or q.stride(0) % vec or q.stride(1) % vec:
+        q = q.contiguous()
+    num_seqs, num_heads, head_size = q.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"{what}: out must be {tuple(q.shape)} {q.dtype} with contiguous head dims")
+    device = q.device.index or 0
+    need = decode_workspace_size(num_seqs, num_heads, key_cache.shape[2], head_size, max_seq_len, num_splits, device)
+    if need and workspace is None:
+        workspace = torch.empty((need + 3) // 4, dtype=torch.float32, device=q.device)
+    bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    lib = _lib.binding(device)
+    lib.check(lib.wllm_paged_decode_attention(
+        out.data_ptr(), q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), bt.data_ptr(),
+        seq_lens.contiguous().data_ptr(), num_seqs, num_heads, key_cache.shape[2], head_size, key_cache.shape[1],
+        max_seq_len, bt.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1), key_cache.stride(0),
+        key_cache.stride(1), key_cache.stride(2), scale, sliding_window, logit_softcap, num_splits,
+        workspace.data_ptr() if workspace is not None else None,
+        workspace.numel() * workspace.element_size() if workspace is not None else 0, code, _stream(q)), what)
+    return out
+
+
+def _cuda_act_and_mul(x: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    what = "act_and_mul"
+    code = _dtype_code(x, what)
+    if activation not in _ACTIVATION_CODES or x.shape[-1] % 2:
+        raise ValueError(f"{what}: activation {activation!r} (supported: silu, gelu_tanh) on an even last dim, "
+                         f"got {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = _rows(x, 2 * inter, what)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    o2 = _rows(out, inter, what + " out")
+    lib = _lib.binding(x.device.index or 0)
+    lib.check(lib.wllm_act_and_mul(o2.data_ptr(), x2.data_ptr(), x2.shape[0], inter, o2.stride(0), x2.stride(0),
+                                   _ACTIVATION_CODES[activation], code, _stream(x)), what)
+    return out
+
+
+def _cuda_sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
+                 bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                 penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                 return_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    what = "sample"
+    num_rows, vocab = logits.shape
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError(f"{what}: logits must be float32 [S, V] with a contiguous last dim")
+    expected = ((params_f32, torch.float32, (num_rows, 6)), (params_i64, torch.int64, (num_rows, 3)))
+    for t, dtype, shape in expected:
+        if t.dtype != dtype or t.shape != shape or t.device != logits.device:
+            raise ValueError(f"{what}: expected {dtype} {shape} on {logits.device}, got {t.dtype} {tuple(t.shape)}")
+    csr = []
+    for name, group, kinds in (("logit_bias", bias, (torch.int32, torch.int32, torch.float32)),
+                               ("penalties", penalties, (torch.int32, torch.int32, torch.int32))):
+        if group is None:
+            csr.append((None, None, None))
+            continue
+        offsets, tokens, values = (t.contiguous() for t in group)
+        if tuple(t.dtype for t in group) != kinds or offsets.shape != (num_rows + 1,) or \
+                tokens.shape != values.shape or any(t.device != logits.device for t in group):
+            raise ValueError(f"{what}: {name} must be CSR (offsets int32 [S + 1], tokens int32 [N], values "
+                             f"{kinds[2]} [N]) on {logits.device}")
+        csr.append((offsets, tokens, values))
+    saved_len = sum(c[1].numel() for c in csr if c[1] is not None)
+    saved = torch.empty(max(saved_len, 1), dtype=torch.float32, device=logits.device)
+    tokens_out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs_out = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    raw = torch.empty((num_rows, vocab), dtype=torch.float32, device=logits.device) if return_logprobs else None
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return t.data_ptr() if t is not None else None
+
+    lib = _lib.binding(logits.device.index or 0)
+    lib.check(lib.wllm_sample(
+        logits.data_ptr(), num_rows, vocab, logits.stride(0), params_f32.contiguous().data_ptr(),
+        params_i64.contiguous().data_ptr(), *(ptr(t) for t in csr[0]), *(ptr(t) for t in csr[1]), saved.data_ptr(),
+        tokens_out.data_ptr(), logprobs_out.data_ptr(), ptr(raw), vocab, _stream(logits)), what)
+    return tokens_out, logprobs_out, raw
+
+
+@torch.library.custom_op("wllm::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
+def reshape_and_cache_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+@reshape_and_cache_op.register_fake
+def _(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+      slot_mapping: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("wllm::copy_blocks", mutates_args=("dst",))
+def copy_blocks_op(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block_dim: int) -> None:
+    copy_blocks(src, dst, pairs, block_dim)
+
+
+@copy_blocks_op.register_fake
+def _(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block_dim: int) -> None:
+    return None
+
+
+@torch.library.custom_op("wllm::paged_decode_attention", mutates_args=())
+def paged_decode_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                              sliding_window: int, logit_softcap: float, num_splits: int) -> torch.Tensor:
+    if q.is_cuda:
+        return _cuda_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                                            sliding_window, logit_softcap, num_splits)
+    return reference.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window,
+                                            logit_softcap)
+
+
+@paged_decode_attention_op.register_fake
+def _(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+      seq_lens: torch.Tensor, scale: float, max_seq_len: int, sliding_window: int, logit_softcap: float,
+      num_splits: int) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("wllm::act_and_mul", mutates_args=())
+def act_and_mul_op(x: torch.Tensor, activation: str) -> torch.Tensor:
+    return _cuda_act_and_mul(x, activation) if x.is_cuda else reference.act_and_mul(x, activation)
+
+
+@act_and_mul_op.register_fake
+def _(x: torch.Tensor, activation: str) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("wllm::sample", mutates_args=("logits",))
+def sample_op(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
+              bias_offsets: torch.Tensor | None, bias_tokens: torch.Tensor | None, bias_values: torch.Tensor | None,
+              penalty_offsets: torch.Tensor | None, penalty_tokens: torch.Tensor | None,
+              penalty_counts: torch.Tensor | None, return_logprobs: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens, logprobs, raw = sample(logits, params_f32, params_i64, bias_offsets, bias_tokens, bias_values,
+                                   penalty_offsets, penalty_tokens, penalty_counts, return_logprobs)
+    return tokens, logprobs, raw if raw is not None else logits.new_empty((0, logits.shape[1]))
+
+
+@sample_op.register_fake
+def _(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor, bias_offsets: torch.Tensor | None,
+      bias_tokens: torch.Tensor | None, bias_values: torch.Tensor | None, penalty_offsets: torch.Tensor | None,
+      penalty_tokens: torch.Tensor | None, penalty_counts: torch.Tensor | None, return_logprobs: bool
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = logits.shape[0] if return_logprobs else 0
+    return (logits.new_empty(logits.shape[0], dtype=torch.int64), logits.new_empty(logits.shape[0]),
+            logits.new_empty((rows, logits.shape[1])))
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write new key/value ([T, Hkv, D] or [T, Hkv * D]) into one layer's caches [num_blocks,
+    block_size, Hkv, D] at slot_mapping (int64 [T], block * block_size + offset; -1 is skipped)."""
+    if not key_cache.is_cuda:
+        reference.reshape_and_cache(key.reshape(key.shape[0], *key_cache.shape[2:]),
+                                    value.reshape(value.shape[0], *key_cache.shape[2:]), key_cache, value_cache,
+                                    slot_mapping)
+    elif _is_compiling():
+        reshape_and_cache_op(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        _cuda_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block_dim: int = 2) -> None:
+    """Copy whole blocks from src to dst (same or different caches, GPU or pinned CPU) along block_dim
+    (2 for the engine's [layers, 2, num_blocks, ...] cache): dst[..., d, ...] = src[..., s, ...] for
+    every (s, d) row of pairs (int64 [N, 2]). On CUDA this is one batched, asynchronous call on the
+    current stream: synchronise before reading a CPU destination."""
+    pairs = torch.as_tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+    if not (src.is_cuda or dst.is_cuda):
+        reference.copy_blocks(src, dst, pairs, block_dim)
+    elif _is_compiling():
+        copy_blocks_op(src, dst, pairs, block_dim)
+    else:
+        _cuda_copy_blocks(src, dst, pairs, block_dim)
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           max_seq_len: int | None = None, sliding_window: int | None = None,
+                           logit_softcap: float | None = None, num_splits: int = 0, out: torch.Tensor | None = None,
+                           workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over a paged KV cache (see reference.paged_decode_attention).
+
+    q [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks]; seq_lens
+    int32 [S] (0 = padding row -> zeros). max_seq_len bounds seq_lens on the host (default: the block
+    table's capacity) and sizes the split-KV grid; keep it fixed across CUDA-graph replays. num_splits
+    0 chooses the split automatically. workspace: fp32 of decode_workspace_size(...) bytes (allocated
+    when None).
+    """
+    window, cap = int(sliding_window or 0), float(logit_softcap or 0.0)
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * key_cache.shape[1]
+    if not q.is_cuda:
+        _check_decode_args(q, key_cache, value_cache, block_tables, seq_lens)
+        result = reference.paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, window, cap)
+    elif _is_compiling():
+        result = paged_decode_attention_op(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                                           window, cap, num_splits)
+    else:
+        return _cuda_paged_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                                            window, cap, num_splits, out, workspace)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(gate) * up for x = [gate | up] on the last dim; activation "silu" or "gelu_tanh"."""
+    if not x.is_cuda:
+        return reference.act_and_mul(x, activation)
+    if _is_compiling():
+        return act_and_mul_op(x, activation)
+    return _cuda_act_and_mul(x, activation)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up (Llama, Qwen, Mistral MLPs)."""
+    return act_and_mul(x, "silu")
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """tanh-GELU(gate) * up (Gemma MLPs)."""
+    return act_and_mul(x, "gelu_tanh")
+
+
+def sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
+           bias_offsets: torch.Tensor | None = None, bias_tokens: torch.Tensor | None = None,
+           bias_values: torch.Tensor | None = None, penalty_offsets: torch.Tensor | None = None,
+           penalty_tokens: torch.Tensor | None = None, penalty_counts: torch.Tensor | None = None,
+           return_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One token per row of fp32 logits [S, V]: (tokens int64 [S], raw logprob of each fp32 [S], raw
+    log-softmax [S, V] when return_logprobs). Inputs as built by pack_sampling_rows; semantics in
+    csrc/api.h (wllm_sample) and reference.sample. logits are left unchanged."""
+    bias = (bias_offsets, bias_tokens, bias_values) if bias_offsets is not None else None
+    penalties = (penalty_offsets, penalty_tokens, penalty_counts) if penalty_offsets is not None else None
+    if not logits.is_cuda:
+        return reference.sample(logits, params_f32, params_i64, *(bias or (None,) * 3), *(penalties or (None,) * 3),
+                                return_logprobs=return_logprobs)
+    if _is_compiling():
+        tokens, logprobs, raw = sample_op(logits, params_f32, params_i64, *(bias or (None,) * 3),
+                                          *(penalties or (None,) * 3), return_logprobs)
+        return tokens, logprobs, raw if return_logprobs else None
+    return _cuda_sample(logits, params_f32, params_i64, bias, penalties, return_logprobs)
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The Philox key of sequence `index` of a request seeded with `seed` (a signed 64-bit value)."""
+    data = seed.to_bytes(16, "little", signed=True) + index.to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def pack_sampling_rows(rows: Sequence, device: torch.device | str = "cpu") -> dict[str, torch.Tensor | None]:
+    """Keyword arguments of `sample` for engine rows (objects with params: SamplingParams, seed, index,
+    prompt_token_ids, output_token_ids, eos_token_ids), with the CPU sampler's semantics: logit_bias plus
+    -inf bans of EOS / stop tokens until min_tokens outputs exist, penalties over prompt and output
+    tokens, random stream keyed by (seed, index) and counted by the output position."""
+    pf, pi = [], []
+    bias_off, bias_tok, bias_val, pen_off, pen_tok, pen_cnt = [0], [], [], [0], [], []
+    for row in rows:
+        p = row.params
+        pf.append([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty])
+        pi.append([max(p.top_k, 0), sequence_seed(row.seed, row.index), len(row.output_token_ids)])
+        for token, value in (p.logit_bias or {}).items():
+            bias_tok.append(int(token))
+            bias_val.append(float(value))
+        if len(row.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
+            bias_tok += banned
+            bias_val += [float("-inf")] * len(banned)
+        bias_off.append(len(bias_tok))
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            counts = dict.fromkeys(row.prompt_token_ids, 0)
+            for token in row.output_token_ids:
+                counts[token] = counts.get(token, 0) + 1
+            pen_tok += counts.keys()
+            pen_cnt += counts.values()
+        pen_off.append(len(pen_tok))
+
+    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    out: dict[str, torch.Tensor | None] = {"params_f32": t(pf, torch.float32).reshape(-1, 6),
+                                           "params_i64": t(pi, torch.int64).reshape(-1, 3)}
+    has_bias, has_pen = bool(bias_tok), bool(pen_tok)
+    out["bias_offsets"] = t(bias_off, torch.int32) if has_bias else None
+    out["bias_tokens"] = t(bias_tok, torch.int32) if has_bias else None
+    out["bias_values"] = t(bias_val, torch.float32) if has_bias else None
+    out["penalty_offsets"] = t(pen_off, torch.int32) if has_pen else None
+    out["penalty_tokens"] = t(pen_tok, torch.int32) if has_pen else None
+    out["penalty_counts"] = t(pen_cnt, torch.int32) if has_pen else None
+    return out

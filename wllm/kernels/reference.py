@@ -5,6 +5,8 @@ Each computes in float32 and rounds once to the input dtype, exactly as the CUDA
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -95,3 +97,190 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         o = torch.einsum("hgnc,chd->nhgd", probs, values)
         out[lo:hi] = o.reshape(n, num_heads, head_size).to(q.dtype)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode path: KV write, block copy, decode attention, gated activation, sampling
+# ---------------------------------------------------------------------------------------------
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] at slot_mapping[t]
+    (= block * block_size + offset); negative or out-of-range slots are skipped."""
+    num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+    slots = slot_mapping.long()
+    valid = (slots >= 0) & (slots < num_blocks * block_size)
+    slots = slots[valid]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block_dim: int = 2) -> None:
+    """dst[..., d, ...] = src[..., s, ...] along block_dim for every (s, d) row of pairs [N, 2]."""
+    if pairs.numel() == 0:
+        return
+    src_ids = pairs[:, 0].long().to(src.device)
+    dst_ids = pairs[:, 1].long().to(dst.device)
+    gathered = src.index_select(block_dim, src_ids).to(dst.device)
+    dst.index_copy_(block_dim, dst_ids, gathered)
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
+                           logit_softcap: float = 0.0) -> torch.Tensor:
+    """One query token per sequence over its paged K/V, in fp32; rows with seq_len 0 are zeros.
+
+    q [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks];
+    seq_lens int32 [S] (context including the current token).
+    """
+    num_seqs, num_heads, head_size = q.shape
+    num_blocks, block_size, num_kv_heads = key_cache.shape[0], key_cache.shape[1], key_cache.shape[2]
+    lens = seq_lens.long().clamp(min=0)
+    max_len = int(lens.max().item()) if num_seqs else 0
+    out = torch.zeros(num_seqs, num_heads, value_cache.shape[-1], dtype=q.dtype, device=q.device)
+    if max_len == 0:
+        return out
+    pos = torch.arange(max_len, device=q.device)
+    table = block_tables.long()[:, (pos // block_size).clamp(max=block_tables.shape[1] - 1)]
+    blocks = table.clamp(0, num_blocks - 1)  # entries past a sequence's length may be anything
+    offsets = (pos % block_size).expand(num_seqs, -1)
+    keys = key_cache[blocks, offsets].float()  # [S, L, Hkv, D]
+    values = value_cache[blocks, offsets].float()
+    group = num_heads // num_kv_heads
+    qs = q.float().view(num_seqs, num_kv_heads, group, head_size)
+    scores = torch.einsum("skgd,slkd->skgl", qs, keys) * scale
+    if logit_softcap:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    allowed = pos[None, :] < lens[:, None]
+    if sliding_window:
+        allowed &= pos[None, :] >= (lens[:, None] - sliding_window)
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked (empty) rows -> zeros
+    o = torch.einsum("skgl,slkd->skgd", probs, values)
+    return o.reshape(num_seqs, num_heads, -1).to(q.dtype)
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(x[..., :I]) * x[..., I:] computed in fp32 and rounded once (x = [gate | up])."""
+    inter = x.shape[-1] // 2
+    gate, up = x[..., :inter].float(), x[..., inter:].float()
+    if activation == "silu":
+        act = torch.nn.functional.silu(gate)
+    elif activation == "gelu_tanh":
+        act = torch.nn.functional.gelu(gate, approximate="tanh")
+    else:
+        raise ValueError(f"act_and_mul: unknown activation {activation!r} (supported: {', '.join(ACTIVATIONS)})")
+    return (act * up).to(x.dtype)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of a * b for a 32-bit constant and int64 tensor of 32-bit values."""
+    p_lo = a * (b & 0xFFFF)  # < 2^48: exact in int64
+    t = (p_lo >> 16) + a * (b >> 16)
+    return t >> 16, ((t & 0xFFFF) << 16) | (p_lo & 0xFFFF)
+
+
+def philox4x32(counter: list[torch.Tensor], key: tuple[int, int]) -> list[torch.Tensor]:
+    """Philox4x32-10 on int64 tensors holding 32-bit words (the CUDA sampler's generator)."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+        hi0, lo0 = _mulhilo(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return [c0, c1, c2, c3]
+
+
+def gumbel_noise(vocab: int, seed: int, position: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """-log(E_i), E_i ~ Exp(1), for tokens 0..vocab-1: Philox keyed by seed, counted by (i / 4, position)."""
+    groups = torch.arange((vocab + 3) // 4, dtype=torch.int64, device=device)
+    seed &= (1 << 64) - 1
+    position &= (1 << 64) - 1
+    zeros = torch.zeros_like(groups)
+    words = philox4x32([groups & _MASK32, groups >> 32, zeros + (position & _MASK32), zeros + (position >> 32)],
+                       (seed & _MASK32, seed >> 32))
+    r = torch.stack(words, dim=1).reshape(-1)[:vocab]
+    u = ((r >> 8).float() + 0.5) * 5.9604644775390625e-8  # (0, 1), exact in fp32
+    return -torch.log(-torch.log(u))
+
+
+def _top_p_floor(x: torch.Tensor, keep: torch.Tensor, xmax: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Lowest kept value whose strictly-larger kept mass is below top_p of the kept mass (the CUDA
+    kernel's integer mass units: floor(exp(x - max) * 2^32))."""
+    vals = x[keep]
+    weights = torch.floor(torch.exp(vals - xmax).double() * 4294967296.0).long()
+    total = int(weights.sum().item())
+    target = max(math.ceil(float(torch.tensor(top_p, dtype=torch.float32).item()) * float(total)), 1)
+    if total < target:
+        return vals.min()
+    order = torch.argsort(vals, descending=True)
+    above = torch.cumsum(weights[order], 0) - weights[order]
+    last = int((above < target).nonzero().max().item())
+    return vals[order[last]]
+
+
+def sampling_mask(x: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Tokens that survive top-k, then top-p (over the top-k renormalised mass; ties with the last kept
+    value are kept), then min-p, for one row of temperature-scaled logits x."""
+    xmax = x.max()
+    keep = torch.ones(x.shape[-1], dtype=torch.bool, device=x.device)
+    if 0 < top_k < x.shape[-1]:
+        keep &= x >= torch.topk(x, top_k).values[-1]
+    if top_p < 1:
+        keep &= x >= _top_p_floor(x, keep, xmax, top_p)
+    if min_p > 0:
+        keep &= torch.exp(x - xmax) >= min_p
+    return keep
+
+
+def sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
+           bias_offsets: torch.Tensor | None = None, bias_tokens: torch.Tensor | None = None,
+           bias_values: torch.Tensor | None = None, penalty_offsets: torch.Tensor | None = None,
+           penalty_tokens: torch.Tensor | None = None, penalty_counts: torch.Tensor | None = None,
+           return_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reference of the CUDA sampler (see csrc/api.h, wllm_sample): (tokens int64 [S], raw logprob of
+    each token fp32 [S], raw log-softmax [S, V] or None). logits are not modified."""
+    num_rows, vocab = logits.shape
+    raw_lp = torch.log_softmax(logits.float(), dim=-1)
+    tokens = torch.zeros(num_rows, dtype=torch.int64, device=logits.device)
+    pf, pi = params_f32.cpu().tolist(), params_i64.cpu().tolist()
+    for r in range(num_rows):
+        temperature, top_p, min_p, repetition, frequency, presence = (torch.tensor(v, dtype=torch.float32)
+                                                                      for v in pf[r])
+        top_k, seed, position = pi[r]
+        x = logits[r].float().clone()
+        if bias_offsets is not None:
+            lo, hi = int(bias_offsets[r]), int(bias_offsets[r + 1])
+            toks, vals = bias_tokens[lo:hi].long(), bias_values[lo:hi].float()
+            ok = (toks >= 0) & (toks < vocab)
+            x.index_add_(0, toks[ok], vals[ok])
+        if penalty_offsets is not None and (repetition != 1 or frequency != 0 or presence != 0):
+            lo, hi = int(penalty_offsets[r]), int(penalty_offsets[r + 1])
+            toks, counts = penalty_tokens[lo:hi].long(), penalty_counts[lo:hi]
+            ok = (toks >= 0) & (toks < vocab)
+            toks, counts = toks[ok], counts[ok]
+            v = x[toks]
+            if repetition != 1:
+                v = torch.where(v > 0, v / repetition, v * repetition)
+            seen = counts > 0
+            v = torch.where(seen, v - (frequency * counts.float() + presence), v)
+            x[toks] = v
+        tokens[r] = torch.argmax(x)
+        if temperature <= 0 or x.max() == float("-inf"):
+            continue
+        xt = x / temperature
+        keep = sampling_mask(xt, top_k, float(top_p), float(min_p))
+        score = (xt + gumbel_noise(vocab, seed, position, x.device)).masked_fill(~keep, float("-inf"))
+        tokens[r] = torch.argmax(score)
+    chosen = raw_lp.gather(1, tokens[:, None])[:, 0]
+    return tokens, chosen, (raw_lp if return_logprobs else None)

@@ -1,0 +1,331 @@
+"""Decode-path kernels: KV write, block copy, paged decode attention, gated activations.
+
+References against float64 math and the engine's PyTorch paged attention on the CPU (CI); CUDA
+kernels against the references under -m cuda, including inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from wllm import kernels
+from wllm.engine.paged_attention import PagedAttentionContext, allocate_kv_cache
+from wllm.kernels import ops, reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
+HEAD_SIZES = [64, 80, 96, 128, 256]
+UNUSED = 2**30  # block-table entries past a sequence's blocks: a kernel that reads them faults
+
+
+def make_paged(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+               dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    """Random q, a one-layer engine cache [1, 2, NB, BS, Hkv, D] and scattered block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [math.ceil(n / block_size) for n in seq_lens]
+    max_blocks = max(needed + [1]) + 1
+    num_blocks = sum(needed) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(seq_lens), max_blocks), UNUSED, dtype=torch.int32)
+    for s, n in enumerate(needed):
+        tables[s, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    cache = torch.randn(1, 2, num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens), num_heads, head_size, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q.to(device), cache.to(device), tables.to(device), lens.to(device)
+
+
+def decode64(q, key_cache, value_cache, tables, lens, scale, window=0, softcap=0.0) -> torch.Tensor:
+    """Decode attention from first principles in float64, one sequence and head at a time."""
+    num_seqs, num_heads, head_size = q.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_seqs, num_heads, head_size, dtype=torch.float64)
+    for s in range(num_seqs):
+        n = int(lens[s])
+        lo = max(0, n - window) if window else 0
+        for h in range(num_heads):
+            kh = h // group
+            keys = torch.stack([key_cache[int(tables[s, p // block_size]), p % block_size, kh] for p in range(lo, n)]
+                               ) if n else None
+            if keys is None:
+                continue
+            vals = torch.stack([value_cache[int(tables[s, p // block_size]), p % block_size, kh]
+                                for p in range(lo, n)])
+            scores = keys.double() @ q[s, h].double() * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[s, h] = torch.softmax(scores, 0) @ vals.double()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# References (CPU)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 4, 4), (80, 28, 4), (128, 8, 2), (256, 2, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_reference_vs_float64(dtype, head_size, num_heads, num_kv_heads, block_size) -> None:
+    q, cache, tables, lens = make_paged([0, 1, 17, 45, 33], num_heads, num_kv_heads, head_size, block_size, dtype)
+    scale = head_size**-0.5
+    out = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    want = decode64(q, cache[0, 0], cache[0, 1], tables, lens, scale)
+    torch.testing.assert_close(out.double(), want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    assert torch.count_nonzero(out[0]) == 0  # the empty (padding) sequence
+
+
+@pytest.mark.parametrize("window,softcap", [(8, 0.0), (0, 5.0), (20, 30.0)])
+def test_decode_reference_window_softcap_vs_float64(window: int, softcap: float) -> None:
+    q, cache, tables, lens = make_paged([3, 19, 60], 8, 2, 64, 16, torch.float32, seed=1)
+    out = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 0.3, window, softcap)
+    want = decode64(q, cache[0, 0], cache[0, 1], tables, lens, 0.3, window, softcap)
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_decode_reference_matches_engine_paged_attention() -> None:
+    """The kernels' reference and the engine's CPU attention agree on the engine's cache layout."""
+    torch.manual_seed(2)
+    num_layers, num_blocks, block_size, num_kv_heads, head_size, num_heads = 2, 12, 16, 2, 64, 8
+    cache = allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_size, torch.float32, "cpu")
+    cache.copy_(torch.randn_like(cache))
+    block_tables, lens = [[3, 7], [11], [0, 5, 9]], [20, 16, 33]
+    ctx = PagedAttentionContext(cache, block_tables, [n - 1 for n in lens], [1] * 3)
+    q = torch.randn(3, num_heads, head_size)
+    k, v = torch.randn(3, num_kv_heads, head_size), torch.randn(3, num_kv_heads, head_size)
+    want = ctx.attend(1, q, k, v, scale=0.125, sliding_window=10)  # also writes k/v into the cache
+    tables = torch.tensor([t + [0] * (3 - len(t)) for t in block_tables], dtype=torch.int32)
+    got = kernels.paged_decode_attention(q, cache[1, 0], cache[1, 1], tables, torch.tensor(lens, dtype=torch.int32),
+                                         0.125, sliding_window=10)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reshape_and_cache_reference() -> None:
+    torch.manual_seed(3)
+    cache = torch.zeros(1, 2, 6, 16, 2, 64)
+    qkv = torch.randn(5, 6 * 64)  # [T, (Hq + 2 Hkv) * D]: k and v are strided slices
+    key, value = qkv[:, 2 * 64 : 4 * 64], qkv[:, 4 * 64 :]
+    slots = torch.tensor([17, -1, 0, 95, 40])
+    kernels.reshape_and_cache(key, value, cache[0, 0], cache[0, 1], slots)
+    flat_k, flat_v = cache[0, 0].reshape(-1, 2, 64), cache[0, 1].reshape(-1, 2, 64)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], key[t].view(2, 64)) and torch.equal(flat_v[slot], value[t].view(2, 64))
+    written = {s for s in slots.tolist() if s >= 0}
+    untouched = [s for s in range(96) if s not in written]
+    assert torch.count_nonzero(flat_k[untouched]) == 0 and torch.count_nonzero(flat_v[untouched]) == 0
+
+
+def test_copy_blocks_reference_engine_layout() -> None:
+    torch.manual_seed(4)
+    src = torch.randn(3, 2, 8, 4, 2, 8)
+    dst = torch.zeros(3, 2, 5, 4, 2, 8)
+    pairs = torch.tensor([[7, 0], [2, 3], [3, 4]])
+    kernels.copy_blocks(src, dst, pairs)
+    for s, d in pairs.tolist():
+        assert torch.equal(dst[:, :, d], src[:, :, s])
+    assert torch.count_nonzero(dst[:, :, [1, 2]]) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_act_and_mul_reference_vs_float64(dtype: torch.dtype, activation: str) -> None:
+    torch.manual_seed(5)
+    x = (torch.randn(7, 2 * 37) * 3).to(dtype)
+    g, u = x[:, :37].double(), x[:, 37:].double()
+    if activation == "silu":
+        want = g / (1 + torch.exp(-g)) * u
+    else:
+        want = 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u
+    out = kernels.act_and_mul(x, activation)
+    assert out.dtype == dtype and out.shape == (7, 37)
+    torch.testing.assert_close(out.double(), want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+def test_decode_custom_ops_pass_opcheck() -> None:
+    q, cache, tables, lens = make_paged([5, 0, 20], 4, 2, 64, 16, torch.float32, seed=6)
+    tables = tables.clamp(max=cache.shape[2] - 1)
+    torch.library.opcheck(torch.ops.wllm.paged_decode_attention.default,
+                          (q, cache[0, 0], cache[0, 1], tables, lens, 0.125, 64, 0, 0.0, 0))
+    k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    torch.library.opcheck(torch.ops.wllm.reshape_and_cache.default,
+                          (k, v, cache[0, 0].clone(), cache[0, 1].clone(), torch.tensor([1, -1, 40])))
+    torch.library.opcheck(torch.ops.wllm.act_and_mul.default, (torch.randn(3, 10), "silu"))
+    torch.library.opcheck(torch.ops.wllm.copy_blocks.default,
+                          (cache.clone(), cache.clone(), torch.tensor([[0, 1]]), 2))
+
+
+def test_decode_bad_inputs_give_clear_errors() -> None:
+    q, cache, tables, lens = make_paged([5], 4, 3, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 1.0)
+    q, cache, tables, lens = make_paged([5], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="int32"):
+        kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="unknown activation"):
+        kernels.act_and_mul(torch.randn(2, 8), "relu")
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA kernels vs references (GPU machine)
+# ------------------------------------------------------------------------------------------
+
+LENS = [0, 1, 15, 16, 17, 100, 513, 1000, 33]  # padding row, block edges, several tiles
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (14, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_cuda(dtype, head_size, num_heads, num_kv_heads, block_size) -> None:
+    q, cache, tables, lens = make_paged(LENS, num_heads, num_kv_heads, head_size, block_size, dtype, "cuda", seed=7)
+    scale = head_size**-0.5
+    want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, scale)
+    for splits in (0, 1, 3, 64):  # automatic, never, a few, more than the shortest contexts fill
+        got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, scale, num_splits=splits)
+        for s, n in enumerate(LENS):
+            torch.testing.assert_close(got[s], want[s], rtol=TOL[dtype][0], atol=TOL[dtype][1],
+                                       msg=lambda m, s=s, n=n, k=splits: f"splits={k} seq {s} (len {n}): {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 2), (64, 24, 3), (256, 8, 1), (96, 10, 2)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 0.0), (0, 30.0), (37, 50.0)])
+def test_paged_decode_cuda_large_groups_window_softcap(dtype, head_size, num_heads, num_kv_heads, window,
+                                                       softcap) -> None:
+    q, cache, tables, lens = make_paged([700, 0, 99, 1], num_heads, num_kv_heads, head_size, 16, dtype, "cuda", 8)
+    want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 0.1, window, softcap)
+    for splits in (0, 1, 2):
+        got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 0.1, sliding_window=window,
+                                             logit_softcap=softcap, num_splits=splits)
+        torch.testing.assert_close(got, want, rtol=TOL[dtype][0], atol=TOL[dtype][1],
+                                   msg=lambda m, k=splits: f"splits={k}: {m}")
+
+
+@pytest.mark.cuda
+def test_paged_decode_cuda_strided_q_and_out() -> None:
+    """q as a slice of a fused qkv buffer and a strided output view."""
+    q, cache, tables, lens = make_paged([40, 300], 8, 2, 128, 16, torch.bfloat16, "cuda", 9)
+    qkv = torch.randn(2, 12, 128, device="cuda", dtype=torch.bfloat16)
+    qkv[:, :8] = q
+    out_buf = torch.zeros(2, 16, 128, device="cuda", dtype=torch.bfloat16)
+    got = kernels.paged_decode_attention(qkv[:, :8], cache[0, 0], cache[0, 1], tables, lens, 0.08, out=out_buf[:, 4:12])
+    want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 0.08)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert torch.count_nonzero(out_buf[:, :4]) == 0 and torch.count_nonzero(out_buf[:, 12:]) == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_reshape_and_cache_cuda(dtype, head_size, block_size) -> None:
+    torch.manual_seed(10)
+    kv_heads, tokens, num_blocks = 3, 29, 9
+    cache = torch.randn(1, 2, num_blocks, block_size, kv_heads, head_size, device="cuda").to(dtype)
+    qkv = torch.randn(tokens, (5 + 2 * kv_heads) * head_size, device="cuda").to(dtype)
+    key = qkv[:, 5 * head_size : (5 + kv_heads) * head_size]
+    value = qkv[:, (5 + kv_heads) * head_size :]
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:tokens]
+    slots[::5] = -1  # graph padding rows
+    want = cache.clone()
+    reference.reshape_and_cache(key.reshape(tokens, kv_heads, head_size), value.reshape(tokens, kv_heads, head_size),
+                                want[0, 0], want[0, 1], slots)
+    kernels.reshape_and_cache(key, value, cache[0, 0], cache[0, 1], slots)
+    assert torch.equal(cache, want)
+    # Unaligned rows (odd head stride) take the scalar path.
+    odd = torch.randn(tokens, kv_heads, head_size + 1, device="cuda").to(dtype)[..., :head_size]
+    want2 = cache.clone()
+    reference.reshape_and_cache(odd, odd, want2[0, 0], want2[0, 1], slots)
+    kernels.reshape_and_cache(odd, odd, cache[0, 0], cache[0, 1], slots)
+    assert torch.equal(cache, want2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("direction", ["gpu->cpu", "cpu->gpu", "gpu->gpu"])
+def test_copy_blocks_cuda(direction: str) -> None:
+    torch.manual_seed(11)
+    shape = (4, 2, 10, 16, 2, 64)
+    src_dev, dst_dev = direction.replace("gpu", "cuda").split("->")
+    src = torch.randn(shape).to(torch.bfloat16)
+    src = src.pin_memory() if src_dev == "cpu" else src.cuda()
+    dst = torch.zeros(4, 2, 7, 16, 2, 64, dtype=torch.bfloat16)
+    dst = dst.pin_memory() if dst_dev == "cpu" else dst.cuda()
+    pairs = torch.tensor([[2, 0], [3, 1], [4, 2], [9, 6], [0, 4]])  # one run of three, then scattered
+    want = dst.cpu().clone()
+    reference.copy_blocks(src.cpu(), want, pairs)
+    kernels.copy_blocks(src, dst, pairs)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), want)
+    with pytest.raises(kernels.KernelError, match="outside the caches"):
+        kernels.copy_blocks(src, dst, torch.tensor([[0, 7]]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows,inter", [(1, 64), (7, 37), (33, 4096), (3, 11008)])
+def test_act_and_mul_cuda(dtype, activation, rows, inter) -> None:
+    torch.manual_seed(12)
+    x = (torch.randn(rows, 2 * inter, device="cuda") * 2).to(dtype)
+    torch.testing.assert_close(kernels.act_and_mul(x, activation), reference.act_and_mul(x, activation),
+                               rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    xs = x[::2]  # strided rows
+    torch.testing.assert_close(kernels.act_and_mul(xs, activation), reference.act_and_mul(xs, activation),
+                               rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_kv_write_and_decode_inside_cuda_graph(num_splits: int) -> None:
+    """Captured once at the maximum context; replayed with other lengths, tables and inputs."""
+    torch.manual_seed(13)
+    dtype, num_seqs, num_heads, kv_heads, head_size, block_size = torch.bfloat16, 6, 16, 4, 128, 16
+    max_blocks, num_blocks = 64, 6 * 64 + 1
+    max_seq_len = max_blocks * block_size
+    cache = torch.randn(1, 2, num_blocks, block_size, kv_heads, head_size, device="cuda", dtype=dtype)
+    q = torch.randn(num_seqs, num_heads, head_size, device="cuda", dtype=dtype)
+    k = torch.randn(num_seqs, kv_heads, head_size, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device="cuda")
+    lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
+    slots = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
+    workspace = torch.empty(ops.decode_workspace_size(num_seqs, num_heads, kv_heads, head_size, max_seq_len,
+                                                      num_splits) // 4 + 1, device="cuda")
+
+    def step() -> torch.Tensor:
+        kernels.reshape_and_cache(k, v, cache[0, 0], cache[0, 1], slots)
+        return kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 0.09,
+                                              max_seq_len=max_seq_len, num_splits=num_splits, workspace=workspace)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for trial, seq_lens in enumerate([[1, 17, 1024, 0, 300, 5], [1000, 2, 0, 0, 64, 513], [0] * 6]):
+        perm = torch.randperm(num_blocks - 1, device="cuda")[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+        tables.copy_(perm.int())
+        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        pos = (lens.long() - 1).clamp(min=0)
+        new_slots = tables.long().gather(1, (pos // block_size)[:, None])[:, 0] * block_size + pos % block_size
+        slots.copy_(torch.where(lens > 0, new_slots, torch.full_like(new_slots, -1)))
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        cache_ref = cache.clone()
+        reference.reshape_and_cache(k, v, cache_ref[0, 0], cache_ref[0, 1], slots)
+        want = reference.paged_decode_attention(q, cache_ref[0, 0], cache_ref[0, 1], tables, lens, 0.09)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(cache, cache_ref), f"replay {trial}: KV write"
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2, msg=lambda m, t=trial: f"replay {t}: {m}")
