@@ -1,0 +1,63 @@
+"""`wllm serve`: flags, and clear errors (no traceback) for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from wllm.cli import build_parser
+
+FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-size", "--gpu-memory-utilization",
+         "--swap-space", "--max-num-batched-tokens", "--max-num-seqs", "--max-queue", "--enable-prefix-caching",
+         "--no-enable-prefix-caching", "--served-model-name", "--chat-template", "--api-key", "--api-key-file",
+         "--rate-limit-rpm", "--rate-limit-tpm", "--cors-origin", "--log-format", "--otlp-endpoint",
+         "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size"]
+
+
+def serve_args(*argv: str):  # type: ignore[no-untyped-def]
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_help_documents_every_flag() -> None:
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    text = serve.format_help()
+    for flag in FLAGS:
+        assert flag in text, flag
+
+
+def test_defaults_bind_localhost_8000_with_the_embedded_model() -> None:
+    args = serve_args()
+    assert (args.model, args.host, args.port) == (None, "127.0.0.1", 8000)
+    assert args.enable_prefix_caching is True and args.cors_origin == [] and args.api_key == []
+    args = serve_args("m.gguf", "--no-enable-prefix-caching", "--api-key", "a", "--api-key", "b",
+                      "--cors-origin", "https://x")
+    assert args.model == "m.gguf" and not args.enable_prefix_caching and args.api_key == ["a", "b"]
+
+
+def test_bad_flag_values_are_rejected_by_argparse() -> None:
+    with pytest.raises(SystemExit):
+        serve_args("--max-num-seqs", "0")
+    with pytest.raises(SystemExit):
+        serve_args("--log-format", "xml")
+
+
+def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "wllm.cli", "serve", *argv], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_missing_key_file_is_a_clear_error(tmp_path: Path) -> None:
+    proc = run_cli("--api-key-file", str(tmp_path / "nope.txt"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "cannot read API key file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model.gguf"
+    proc = run_cli(str(missing), "--device", "cpu", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "error:" in proc.stderr and "no-such-model" in proc.stderr and "Traceback" not in proc.stderr
