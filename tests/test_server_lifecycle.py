@@ -94,3 +94,52 @@ def test_multi_prompt_stream_disconnect_aborts_all() -> None:
         assert len(engine.aborted) == 3 and engine.active == {}
 
     asyncio.run(main())
+
+
+SERVE_FAKE = """
+import argparse, sys
+from wllm.entrypoints.openai.app import create_app
+from wllm.entrypoints.openai.config import ServerConfig
+from wllm.entrypoints.openai.fake_engine import ScriptedEngine
+from wllm.entrypoints.serve_cli import _make_server
+app = create_app(ScriptedEngine(max_model_len=4096, step_delay=0.005, replies=("tick " * 60,)),
+                 ServerConfig(served_model_names=["tiny"]))
+args = argparse.Namespace(host="127.0.0.1", port=0, shutdown_timeout=30)
+server = _make_server(app, args, lambda h, p: print(f"READY http://{h}:{p}", flush=True))
+server.run()
+print("EXITED CLEANLY", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_signal_drains_in_flight_stream_and_exits_0(sig: str) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    flags = subprocess.CREATE_NEW_PROCESS_GROUP if sys.platform == "win32" else 0  # type: ignore[attr-defined]
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_FAKE], stdout=subprocess.PIPE, text=True,
+                            creationflags=flags)
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().split()[-1]
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            if sys.platform == "win32":
+                proc.send_signal(signal.CTRL_BREAK_EVENT)  # type: ignore[attr-defined]
+            else:
+                proc.send_signal(getattr(signal, sig))
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"  # the in-flight stream ran to its end
+        text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in [first, *rest[:-1]])
+        assert text == ("tick " * 60)
+        assert proc.wait(timeout=60) == 0
+        assert "EXITED CLEANLY" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

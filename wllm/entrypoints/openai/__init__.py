@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (Litestar + msgspec); `create_app` in app.py builds it."""
