@@ -32,6 +32,8 @@ struct Params {
   int64_t q_tok, q_head, o_tok, o_head;
   int64_t kv_block, kv_tok, kv_head;
   int num_seqs;
+  int num_tiles;    // query tiles in the grid: num_tokens / BM + num_seqs
+  int num_kv_heads;
   int group;        // query heads per KV head
   int block_shift;  // log2(block_size)
   float scale;
@@ -40,11 +42,16 @@ struct Params {
 };
 
 struct Tile {
-  int seq, q_begin, q_len, m0, ctx;
+  int seq, q_begin, q_len, m0, ctx, head;
 };
 
-// Which sequence and which rows [m0, m0 + bm) of it the CTA with tile index idx computes.
-__device__ __forceinline__ bool locate_tile(const Params& p, int bm, int idx, Tile& t) {
+// Which sequence, rows [m0, m0 + bm) and query head this CTA computes. The grid is 1-D,
+// num_tiles * num_heads CTAs: consecutive CTAs take all heads of one tile (the KV heads of a
+// GQA group stay hot in L2), and tiles go last to first so the causally heaviest start first.
+__device__ __forceinline__ bool locate_tile(const Params& p, int bm, Tile& t) {
+  const int num_heads = p.group * p.num_kv_heads;
+  t.head = (int)(blockIdx.x % (unsigned)num_heads);
+  const int idx = p.num_tiles - 1 - (int)(blockIdx.x / (unsigned)num_heads);
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {  // the last s with query_start_loc[s] / bm + s <= idx (strictly increasing in s)
     const int mid = (lo + hi + 1) >> 1;
@@ -104,8 +111,8 @@ __device__ __forceinline__ void simt_body(const Params& p) {
   float* sP = sV + kSimtKeys * kS;
 
   Tile t;
-  if (!locate_tile(p, kSimtRows, (int)(gridDim.x - 1 - blockIdx.x), t)) return;
-  const int head = blockIdx.y;
+  if (!locate_tile(p, kSimtRows, t)) return;
+  const int head = t.head;
   const int kvh = head / p.group;
   const int tid = threadIdx.x;
   const int r = tid >> 3;
@@ -241,8 +248,8 @@ __global__ void __launch_bounds__(kFlashThreads) flash_prefill_kernel(const Para
   T* sV = sK + BN * S;
 
   Tile t;
-  if (!locate_tile(p, BM, (int)(gridDim.x - 1 - blockIdx.x), t)) return;
-  const int head = blockIdx.y;
+  if (!locate_tile(p, BM, t)) return;
+  const int head = t.head;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -330,6 +337,25 @@ __global__ void __launch_bounds__(kFlashThreads) flash_prefill_kernel(const Para
       }
     }
 
+    if (capped) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nb][e] = tanhf(s[mt][nb][e] * pre) * post;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nb][e] *= pre;
+        }
+      }
+    }
     // Online softmax. Thread holds rows g and g + 8 of each m16 tile (h = 0, 1), columns
     // nb*8 + 2*t4 + {0, 1}; a row's 4 threads are lanes 4g..4g+3.
     const bool full = n0 + BN - 1 <= kr.qp_first && (p.window <= 0 || n0 > kr.qp_last - p.window);
@@ -344,7 +370,6 @@ __global__ void __launch_bounds__(kFlashThreads) flash_prefill_kernel(const Para
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float x = s[mt][nb][2 * h + e];
-            x = capped ? tanhf(x * pre) * post : x * pre;
             if (!full && !visible(n0 + nb * 8 + 2 * t4 + e, qpos, ctx, p.window)) x = -INFINITY;
             s[mt][nb][2 * h + e] = x;
             mx = fmaxf(mx, x);
@@ -461,12 +486,22 @@ static int allow_smem(K kernel, size_t bytes) {
               cudaGetErrorString(err));
 }
 
+static int check_grid(int64_t num_tiles, int num_heads) {
+  if (num_tiles * num_heads >= (int64_t)1 << 31) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_prefill_attention: %lld query tiles x %d heads is too large a grid",
+                (long long)num_tiles, num_heads);
+  }
+  return WLLM_OK;
+}
+
 template <typename T, int D>
 static int launch_simt(const Params& p, int64_t num_tokens, int num_heads, cudaStream_t stream) {
   const size_t smem = simt_smem_bytes<D>();
   if (int rc = allow_smem(simt_prefill_kernel<T, D>, smem)) return rc;
-  const dim3 grid((unsigned)(num_tokens / kSimtRows + p.num_seqs), (unsigned)num_heads);
-  simt_prefill_kernel<T, D><<<grid, kSimtThreads, smem, stream>>>(p);
+  Params pt = p;
+  pt.num_tiles = (int)(num_tokens / kSimtRows + p.num_seqs);
+  if (int rc = check_grid(pt.num_tiles, num_heads)) return rc;
+  simt_prefill_kernel<T, D><<<(unsigned)pt.num_tiles * (unsigned)num_heads, kSimtThreads, smem, stream>>>(pt);
   return check_launch("paged_prefill_attention (simt)");
 }
 
@@ -475,8 +510,10 @@ static int launch_flash(const Params& p, int64_t num_tokens, int num_heads, cuda
   constexpr int BM = 16 * FlashShape<D>::MT * (kFlashThreads / 32);
   const size_t smem = flash_smem_bytes<T, D>();
   if (int rc = allow_smem(flash_prefill_kernel<T, D>, smem)) return rc;
-  const dim3 grid((unsigned)(num_tokens / BM + p.num_seqs), (unsigned)num_heads);
-  flash_prefill_kernel<T, D><<<grid, kFlashThreads, smem, stream>>>(p);
+  Params pt = p;
+  pt.num_tiles = (int)(num_tokens / BM + p.num_seqs);
+  if (int rc = check_grid(pt.num_tiles, num_heads)) return rc;
+  flash_prefill_kernel<T, D><<<(unsigned)pt.num_tiles * (unsigned)num_heads, kFlashThreads, smem, stream>>>(pt);
   return check_launch("paged_prefill_attention");
 }
 
@@ -582,6 +619,8 @@ WLLM_API int WLLM_FN(wllm_paged_prefill_attention)(
   p.kv_tok = kv_token_stride;
   p.kv_head = kv_head_stride;
   p.num_seqs = num_seqs;
+  p.num_tiles = 0;  // set by the launcher, which knows its tile height
+  p.num_kv_heads = num_kv_heads;
   p.group = num_heads / num_kv_heads;
   p.block_shift = shift;
   p.scale = scale;

@@ -160,6 +160,8 @@ def test_bad_inputs_are_clear_errors() -> None:
         kernels.paged_prefill_attention(*base[:5], torch.tensor([0, 3, 3], dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="must be positive"):
         kernels.paged_prefill_attention(*base, sliding_window=-1)
+    with pytest.raises(ValueError, match="seq_lens is on meta"):
+        kernels.paged_prefill_attention(*base[:4], case.seq_lens.to("meta"), *base[5:])
 
 
 # ------------------------------------------------------------------------------------------
