@@ -1,0 +1,150 @@
+"""Paged decode attention bandwidth: GB/s of the KV it must read, as a fraction of the H200's copy rate.
+
+Default: batch 64 x context 4,096 with Llama-3.1-8B heads (32 query, 8 KV, head size 128) in bf16,
+block size 16, blocks scattered through the cache as in a long-running server. Bytes counted: every
+K and V row of every sequence once, plus q and out. Rows: the automatic split, then forced split
+counts, then the same call replayed from a CUDA graph (how the engine runs it); a second table
+times the fused SiLU-and-mul and the sampler at the same batch for context.
+
+    python benchmarks/kernels_decode.py [--batch 64] [--context 4096] [--heads 32] [--kv-heads 8]
+        [--head-size 128] [--block-size 16] [--dtype bf16|fp16] [--vocab 128256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from wllm import kernels
+from wllm.kernels import ops, reference
+
+COPY_FLOOR_GBS = 4232.0  # H200 device copy bandwidth measured (DESIGN.md)
+
+
+def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    """Median time of fn() in milliseconds, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph; returns a callable that replays it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--vocab", type=int, default=128256, help="vocabulary for the sampler row")
+    parser.add_argument("--intermediate", type=int, default=14336, help="MLP width for the SiLU-and-mul row")
+    parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not kernels.available():
+        raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    b, ctx, hq, hkv, d, bs = args.batch, args.context, args.heads, args.kv_heads, args.head_size, args.block_size
+    blocks_per_seq = (ctx + bs - 1) // bs
+    num_blocks = b * blocks_per_seq
+    tables = torch.randperm(num_blocks, device="cuda").view(b, blocks_per_seq).to(torch.int32)
+    k_cache = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(b, hq, d, device="cuda", dtype=dtype)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    scale = d**-0.5
+    itemsize = q.element_size()
+    nbytes = 2 * b * ctx * hkv * d * itemsize + 2 * q.numel() * itemsize
+    max_len = blocks_per_seq * bs
+
+    def run(splits: int, workspace: torch.Tensor | None):
+        return lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, max_seq_len=max_len,
+                                                      num_splits=splits, out=out, workspace=workspace)
+
+    def workspace_for(splits: int) -> torch.Tensor:
+        size = ops.decode_workspace_size(b, hq, hkv, d, max_len, splits)
+        return torch.empty(size // 4 + 1, device="cuda")
+
+    want = reference.paged_decode_attention(q[:4], k_cache, v_cache, tables[:4], lens[:4], scale)
+    run(0, workspace_for(0))()
+    max_err = (out[:4].float() - want.float()).abs().max().item()
+
+    rows = []
+    for label, splits in [("auto", 0), ("1 (no split)", 1), ("2", 2), ("4", 4), ("8", 8)]:
+        ms = time_ms(run(splits, workspace_for(splits)))
+        rows.append((f"splits {label}", ms))
+    ms = time_ms(graphed(run(0, workspace_for(0))))
+    rows.append(("splits auto, CUDA graph", ms))
+
+    print(f"paged decode attention: batch {b} x context {ctx}, {hq} q / {hkv} kv heads, head size {d}, "
+          f"{args.dtype}, block size {bs} (scattered); {nbytes / 1e9:.3f} GB of KV + q/out per call; "
+          f"max |err| vs reference {max_err:.2e}")
+    print(f"{'variant':<28}{'ms':>10}{'GB/s':>10}{'of 4,232 GB/s':>16}")
+    results = []
+    for label, ms in rows:
+        gbs = nbytes / ms / 1e6
+        results.append({"variant": label, "ms": ms, "gbs": gbs, "fraction": gbs / COPY_FLOOR_GBS})
+        print(f"{label:<28}{ms:>10.4f}{gbs:>10.0f}{gbs / COPY_FLOOR_GBS:>15.1%}")
+
+    # Context: the other per-step decode kernels at the same batch.
+    x = torch.randn(b, 2 * args.intermediate, device="cuda", dtype=dtype)
+    ms_act = time_ms(lambda: kernels.silu_and_mul(x))
+    act_bytes = x.numel() * itemsize * 1.5
+    logits = torch.randn(b, args.vocab, device="cuda")
+    rows_greedy = ops.pack_sampling_rows([_Row(0.0, 1.0)] * b, "cuda")
+    rows_top_p = ops.pack_sampling_rows([_Row(0.8, 0.95)] * b, "cuda")
+    ms_greedy = time_ms(lambda: kernels.sample(logits, **rows_greedy))
+    ms_top_p = time_ms(lambda: kernels.sample(logits, **rows_top_p))
+    print(f"\nsilu_and_mul [{b}, {2 * args.intermediate}]: {ms_act * 1e3:.1f} us "
+          f"({act_bytes / ms_act / 1e6:.0f} GB/s)")
+    print(f"sample [{b}, {args.vocab}] greedy: {ms_greedy * 1e3:.1f} us; temperature 0.8 + top_p 0.95: "
+          f"{ms_top_p * 1e3:.1f} us")
+    if args.json:
+        print(json.dumps({"batch": b, "context": ctx, "heads": hq, "kv_heads": hkv, "head_size": d,
+                          "dtype": args.dtype, "bytes": nbytes, "max_err": max_err, "decode": results,
+                          "silu_and_mul_us": ms_act * 1e3, "sample_greedy_us": ms_greedy * 1e3,
+                          "sample_top_p_us": ms_top_p * 1e3}))
+    return 0
+
+
+class _Row:
+    """A minimal sampling row (what pack_sampling_rows reads) for the sampler timing."""
+
+    def __init__(self, temperature: float, top_p: float) -> None:
+        from wllm.sampling_params import SamplingParams
+
+        self.params = SamplingParams(temperature=temperature, top_p=top_p)
+        self.seed, self.index = 0, 0
+        self.prompt_token_ids, self.output_token_ids, self.eos_token_ids = [], [], []
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
