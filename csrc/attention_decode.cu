@@ -364,7 +364,7 @@ __global__ void merge_splits_kernel(const Params p, int head_size) {
     return;
   }
   const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
-  const int first = lo / p.split_tokens;
+  const int first = min(lo / p.split_tokens, p.splits - 1);
   const int last = min((seq_len - 1) / p.split_tokens, p.splits - 1);
   const int64_t row0 = ((int64_t)seq * p.num_heads + head) * p.splits;
   float m = -INFINITY;
