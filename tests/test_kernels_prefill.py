@@ -53,9 +53,9 @@ def make_case(q_lens: list[int], prefix: list[int], num_heads: int, num_kv_heads
         tables[s, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         k = torch.randn(ctx, num_kv_heads, head_size, generator=gen).to(dtype)
         v = torch.randn(ctx, num_kv_heads, head_size, generator=gen).to(dtype)
-        for j in range(ctx):
-            k_cache[ids[j // block_size], j % block_size] = k[j]
-            v_cache[ids[j // block_size], j % block_size] = v[j]
+        slots = (torch.tensor(ids)[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:ctx]
+        k_cache.view(-1, num_kv_heads, head_size)[slots] = k
+        v_cache.view(-1, num_kv_heads, head_size)[slots] = v
         keys.append(k)
     q = torch.randn(sum(q_lens), num_heads, head_size, generator=gen).to(dtype)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
@@ -264,8 +264,9 @@ def test_prefill_cuda_strided_q_from_fused_qkv() -> None:
 
 @pytest.mark.cuda
 def test_prefill_cuda_inside_graph_and_compile() -> None:
-    """Replays of a captured call see new inputs; the custom op traces under torch.compile."""
-    case = make_case([40, 9], [3, 60], 8, 2, 64, 16, torch.float16, "cuda", seed=16)
+    """Replays of a captured call see new inputs; the custom op traces under torch.compile. Head
+    size 128 needs more than 48 KB of shared memory, so the attribute call happens under capture."""
+    case = make_case([40, 9], [3, 60], 8, 2, 128, 16, torch.float16, "cuda", seed=16)
     args = (case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, 0.125)
     q = case.q.clone()
     out = torch.empty_like(q)
