@@ -1,0 +1,137 @@
+"""AsyncEngine: streaming to asyncio consumers, abort, back-pressure, failures never hang."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from model_utils import hf_greedy
+from test_engine import GREEDY, MAX_TOKENS, assert_all_free, make_prompts, tiny
+
+from wllm.engine.async_engine import AsyncEngine, EngineDeadError
+from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from wllm.engine.llm_engine import LLMEngine
+from wllm.engine.request import QueueFullError
+from wllm.sampling_params import SamplingParams
+
+
+def async_engine(model, max_waiting=0, failures=3):
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=128, num_cpu_blocks=0),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=16, max_waiting=max_waiting))
+    return AsyncEngine(LLMEngine(model, None, config), max_consecutive_failures=failures)
+
+
+async def collect(engine, rid, prompt, params=GREEDY):
+    outs = [o async for o in engine.generate(prompt, params, rid)]
+    return outs
+
+
+def test_concurrent_streams_match_hf_and_are_cumulative(tmp_path_factory):
+    torch.manual_seed(0)
+    model, hf = tiny("llama", tmp_path_factory)
+    prompts = make_prompts(6)
+    engine = async_engine(model)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, f"r{i}", p) for i, p in enumerate(prompts)))
+
+    try:
+        results = asyncio.run(main())
+        for prompt, outs in zip(prompts, results):
+            assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+            assert outs[-1].outputs[0].token_ids == hf_greedy(hf, prompt, MAX_TOKENS)
+            lengths = [len(o.outputs[0].token_ids) for o in outs]
+            assert lengths == sorted(lengths) and lengths[-1] == MAX_TOKENS
+        stats = engine.stats()
+        assert stats["healthy"] and stats["generation_tokens"] == 6 * MAX_TOKENS
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    finally:
+        engine.shutdown()
+    assert_all_free(engine.engine)
+
+
+def test_consumer_that_stops_iterating_aborts_its_request(tmp_path_factory):
+    model, _ = tiny("llama", tmp_path_factory)
+    engine = async_engine(model)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        gen = engine.generate(make_prompts()[1], params, "long")
+        async for _ in gen:
+            break
+        await gen.aclose()
+        # A later request runs normally; by then the abort has been applied.
+        outs = await collect(engine, "next", [5, 6, 7])
+        await engine.abort("unknown-id")  # harmless
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].finished
+        assert "long" not in engine.engine.scheduler.groups
+    finally:
+        engine.shutdown()
+    assert_all_free(engine.engine)
+
+
+def test_full_queue_and_bad_input_raise_from_generate(tmp_path_factory):
+    model, _ = tiny("llama", tmp_path_factory)
+    engine = async_engine(model, max_waiting=1)
+    engine.engine.scheduler.config.max_num_seqs = 1
+
+    async def main():
+        first = asyncio.ensure_future(collect(engine, "a", [5, 6, 7]))
+        second = asyncio.ensure_future(collect(engine, "b", [5, 6, 8]))
+        third = asyncio.ensure_future(collect(engine, "c", [5, 6, 9]))
+        results = await asyncio.gather(first, second, third, return_exceptions=True)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await collect(engine, "d", [10**6])
+        return results
+
+    try:
+        results = asyncio.run(main())
+        errors = [r for r in results if isinstance(r, QueueFullError)]
+        assert len(errors) >= 1  # at most one waits while one runs; the rest are turned away
+        assert all(isinstance(r, QueueFullError) or r[-1].finished for r in results)
+    finally:
+        engine.shutdown()
+    assert_all_free(engine.engine)
+
+
+def test_failing_steps_fail_requests_then_mark_engine_unhealthy(tmp_path_factory):
+    model, _ = tiny("llama", tmp_path_factory)
+    engine = async_engine(model, failures=2)
+    real_forward = model.forward
+
+    def forward(input_ids, positions, ctx):
+        if (input_ids == 299).any():
+            raise RuntimeError("boom")
+        return real_forward(input_ids, positions, ctx)
+
+    model.forward = forward
+
+    async def main():
+        one = await collect(engine, "x1", [5, 299])
+        assert one[-1].error == "RuntimeError: boom" and one[-1].outputs[0].finish_reason == "error"
+        assert engine.is_healthy()
+        ok = await collect(engine, "ok", [5, 6])
+        assert ok[-1].error is None
+        await collect(engine, "x2", [7, 299])
+        two = await collect(engine, "x3", [8, 299])
+        assert two[-1].error is not None
+        return two
+
+    try:
+        asyncio.run(main())
+        engine._thread.join(timeout=30)  # the loop ends itself after the second failure in a row
+        assert not engine.is_healthy()
+
+        async def after():
+            with pytest.raises(EngineDeadError):
+                await collect(engine, "late", [5, 6])
+
+        asyncio.run(after())
+    finally:
+        del model.forward
+        engine.shutdown()
