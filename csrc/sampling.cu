@@ -154,9 +154,10 @@ __device__ __forceinline__ uint4 philox(uint4 c, uint32_t k0, uint32_t k1) {
   return c;
 }
 
-// -log(E) with E ~ Exp(1) from a 32-bit random word; u is in (0, 1) and exact in fp32.
+// -log(E) with E ~ Exp(1) from a 32-bit random word. u = (top 23 bits + 1/2) / 2^23 lies in
+// (0, 1) and is exact in fp32 (24 significant bits), so neither log ever sees 0 or 1.
 __device__ __forceinline__ float neg_log_exponential(uint32_t r) {
-  const float u = ((float)(r >> 8) + 0.5f) * 5.9604644775390625e-8f;  // 2^-24
+  const float u = ((float)(r >> 9) + 0.5f) * 1.1920928955078125e-7f;  // 2^-23
   return -logf(-logf(u));
 }
 

@@ -131,12 +131,17 @@ def test_exponential_race_follows_the_softmax() -> None:
     pos = torch.arange(n, dtype=torch.int64)
     zeros = torch.zeros_like(pos)
     words = reference.philox4x32([zeros, zeros, pos, zeros], (1234, 0))
-    r = torch.stack(words, 1)
-    u = ((r >> 8).float() + 0.5) * 2.0**-24
-    picks = torch.argmax(x - torch.log(-torch.log(u)), dim=1)
+    picks = torch.argmax(x + reference.neg_log_exponential(torch.stack(words, 1)), dim=1)
     freq = torch.bincount(picks, minlength=4).double() / n
     p = torch.softmax(x.double(), 0)
     assert torch.all((freq - p).abs() < 4 * torch.sqrt(p * (1 - p) / n)), (freq, p)
+
+
+def test_noise_is_finite_at_the_extreme_words() -> None:
+    """The largest and smallest random words map strictly inside (0, 1): no infinite score."""
+    noise = reference.neg_log_exponential(torch.tensor([0, 0xFFFFFFFF, 0x80000000]))
+    assert torch.isfinite(noise).all()
+    assert noise[1] > 16 and noise[0] < -2.7
 
 
 def test_reference_top_p_draws_from_the_renormalised_nucleus() -> None:

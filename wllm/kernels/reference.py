@@ -209,8 +209,13 @@ def gumbel_noise(vocab: int, seed: int, position: int, device: torch.device | st
     zeros = torch.zeros_like(groups)
     words = philox4x32([groups & _MASK32, groups >> 32, zeros + (position & _MASK32), zeros + (position >> 32)],
                        (seed & _MASK32, seed >> 32))
-    r = torch.stack(words, dim=1).reshape(-1)[:vocab]
-    u = ((r >> 8).float() + 0.5) * 5.9604644775390625e-8  # (0, 1), exact in fp32
+    return neg_log_exponential(torch.stack(words, dim=1).reshape(-1)[:vocab])
+
+
+def neg_log_exponential(words: torch.Tensor) -> torch.Tensor:
+    """-log(E), E ~ Exp(1), from 32-bit random words (int64 tensor): u = (top 23 bits + 1/2) / 2^23 is
+    exact in fp32 and strictly inside (0, 1)."""
+    u = ((words >> 9).float() + 0.5) * 1.1920928955078125e-07
     return -torch.log(-torch.log(u))
 
 
