@@ -1,0 +1,18 @@
+"""The engine core: paged KV cache with prefix caching, one-budget scheduler, model runner,
+sampler, and the synchronous (`LLMEngine`) and asyncio (`AsyncEngine`) fronts."""
+
+from wllm.engine.async_engine import AsyncEngine, EngineDeadError
+from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_kwargs
+from wllm.engine.llm_engine import LLMEngine
+from wllm.engine.request import QueueFullError
+
+__all__ = [
+    "AsyncEngine",
+    "CacheConfig",
+    "EngineConfig",
+    "EngineDeadError",
+    "LLMEngine",
+    "QueueFullError",
+    "SchedulerConfig",
+    "engine_config_from_kwargs",
+]
