@@ -4,8 +4,9 @@
 // Work split (both kernels): one CTA per (query tile, query head). Query tiles of all sequences
 // are numbered without a host-side max length: sequence s owns tile indices starting at
 // query_start_loc[s] / BM + s, which leaves room for its ceil(q_len / BM) tiles, so the grid is
-// num_tokens / BM + num_seqs tiles and a CTA finds its sequence by binary search. Indices are
-// walked in reverse so the long (late, causally heavier) tiles start first.
+// (num_tokens / BM + num_seqs) tiles x num_heads CTAs and a CTA finds its sequence by binary
+// search (attention_prefill_tile.cuh). Tiles are walked in reverse so the long (late, causally
+// heavier) ones start first.
 //
 // SM 8.0+, fp16/bf16: FlashAttention-2-style kernel on tensor cores (mma.sync m16n8k16, fp32
 // accumulators, online softmax in registers), K and V tiles gathered through the block table
@@ -15,198 +16,12 @@
 #include <stdint.h>
 
 #include "attention_prefill_mma.cuh"
+#include "attention_prefill_simt.cuh"
+#include "attention_prefill_tile.cuh"
 #include "common.cuh"
 
 namespace WLLM_NS {
 namespace prefill {
-
-struct Params {
-  void* out;
-  const void* q;
-  const void* k;
-  const void* v;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start_loc;
-  int64_t bt_stride;
-  int64_t q_tok, q_head, o_tok, o_head;
-  int64_t kv_block, kv_tok, kv_head;
-  int num_seqs;
-  int num_tiles;    // query tiles in the grid: num_tokens / BM + num_seqs
-  int num_kv_heads;
-  int group;        // query heads per KV head
-  int block_shift;  // log2(block_size)
-  float scale;
-  float softcap;  // 0: off
-  int window;     // 0: off; else key k is visible to query position p iff p - window < k <= p
-};
-
-struct Tile {
-  int seq, q_begin, q_len, m0, ctx, head;
-};
-
-// Which sequence, rows [m0, m0 + bm) and query head this CTA computes. The grid is 1-D,
-// num_tiles * num_heads CTAs: consecutive CTAs take all heads of one tile (the KV heads of a
-// GQA group stay hot in L2), and tiles go last to first so the causally heaviest start first.
-__device__ __forceinline__ bool locate_tile(const Params& p, int bm, Tile& t) {
-  const int num_heads = p.group * p.num_kv_heads;
-  t.head = (int)(blockIdx.x % (unsigned)num_heads);
-  const int idx = p.num_tiles - 1 - (int)(blockIdx.x / (unsigned)num_heads);
-  int lo = 0, hi = p.num_seqs - 1;
-  while (lo < hi) {  // the last s with query_start_loc[s] / bm + s <= idx (strictly increasing in s)
-    const int mid = (lo + hi + 1) >> 1;
-    if (p.query_start_loc[mid] / bm + mid <= idx) lo = mid;
-    else hi = mid - 1;
-  }
-  t.seq = lo;
-  t.q_begin = p.query_start_loc[lo];
-  t.q_len = p.query_start_loc[lo + 1] - t.q_begin;
-  t.m0 = (idx - (t.q_begin / bm + lo)) * bm;
-  t.ctx = p.seq_lens[lo];
-  return t.m0 < t.q_len;
-}
-
-// Keys the rows [m0, m0 + rows) can see, as n_tiles tiles of bn keys from first_n0.
-struct KeyRange {
-  int qp_first, qp_last, first_n0, n_tiles;
-};
-
-__device__ __forceinline__ KeyRange key_range(const Tile& t, int rows, int window, int bn) {
-  KeyRange r;
-  r.qp_first = t.ctx - t.q_len + t.m0;
-  r.qp_last = t.ctx - t.q_len + min(t.m0 + rows, t.q_len) - 1;
-  const int n_hi = r.qp_last + 1;
-  const int n_lo = window > 0 ? max(0, r.qp_first - window + 1) : 0;
-  r.first_n0 = (n_lo / bn) * bn;
-  r.n_tiles = n_hi > r.first_n0 ? (n_hi - r.first_n0 + bn - 1) / bn : 0;
-  return r;
-}
-
-__device__ __forceinline__ bool visible(int key, int qpos, int ctx, int window) {
-  return key <= qpos && key < ctx && (window <= 0 || key > qpos - window);
-}
-
-// ---------------------------------------------------------------------------------------------
-// SIMT kernel (SM 7.x; fp32 on every SM)
-// ---------------------------------------------------------------------------------------------
-
-constexpr int kSimtRows = 16;
-constexpr int kSimtKeys = 16;
-constexpr int kSimtThreads = 128;  // 8 threads per query row
-
-template <int D>
-constexpr size_t simt_smem_bytes() {
-  return (size_t)(kSimtRows * (D + 1) + 2 * kSimtKeys * (D + 1) + kSimtRows * (kSimtKeys + 1)) * sizeof(float);
-}
-
-template <typename T, int D>
-__device__ __forceinline__ void simt_body(const Params& p) {
-  static_assert(D % 8 == 0, "head size must be a multiple of 8");
-  constexpr int kS = D + 1;  // padded rows: the 8 keys a warp reads at once sit in different banks
-  constexpr int kPS = kSimtKeys + 1;
-  extern __shared__ float simt_smem[];
-  float* sQ = simt_smem;
-  float* sK = sQ + kSimtRows * kS;
-  float* sV = sK + kSimtKeys * kS;
-  float* sP = sV + kSimtKeys * kS;
-
-  Tile t;
-  if (!locate_tile(p, kSimtRows, t)) return;
-  const int head = t.head;
-  const int kvh = head / p.group;
-  const int tid = threadIdx.x;
-  const int r = tid >> 3;
-  const int g = tid & 7;
-  const T* q = static_cast<const T*>(p.q);
-  const T* kc = static_cast<const T*>(p.k);
-  const T* vc = static_cast<const T*>(p.v);
-  const int32_t* table = p.block_tables + (int64_t)t.seq * p.bt_stride;
-  const int block_mask = (1 << p.block_shift) - 1;
-
-  for (int i = tid; i < kSimtRows * D; i += kSimtThreads) {
-    const int row = i / D, d = i - row * D;
-    float v = 0.0f;
-    if (t.m0 + row < t.q_len) {
-      v = Conv<T>::to_float(q[(int64_t)(t.q_begin + t.m0 + row) * p.q_tok + (int64_t)head * p.q_head + d]);
-    }
-    sQ[row * kS + d] = v;
-  }
-  const KeyRange kr = key_range(t, kSimtRows, p.window, kSimtKeys);
-  const int qpos = kr.qp_first + r;
-
-  float m = -INFINITY, l = 0.0f;
-  float o[D / 8];
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i] = 0.0f;
-
-  for (int it = 0; it < kr.n_tiles; ++it) {
-    const int n0 = kr.first_n0 + it * kSimtKeys;
-    __syncthreads();  // Q is in place and nobody still reads the previous K/V/P
-    for (int i = tid; i < kSimtKeys * D; i += kSimtThreads) {
-      const int row = i / D, d = i - row * D;
-      const int key = n0 + row;
-      float kv = 0.0f, vv = 0.0f;  // keys past the context read as zeros (never NaN garbage)
-      if (key < t.ctx) {
-        const int64_t off = (int64_t)table[key >> p.block_shift] * p.kv_block + (int64_t)(key & block_mask) * p.kv_tok +
-                            (int64_t)kvh * p.kv_head + d;
-        kv = Conv<T>::to_float(kc[off]);
-        vv = Conv<T>::to_float(vc[off]);
-      }
-      sK[row * kS + d] = kv;
-      sV[row * kS + d] = vv;
-    }
-    __syncthreads();
-    float s[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int c = g + 8 * j;
-      float dot = 0.0f;
-#pragma unroll 8
-      for (int d = 0; d < D; ++d) dot += sQ[r * kS + d] * sK[c * kS + d];
-      float x = p.softcap > 0.0f ? p.softcap * tanhf(dot * p.scale / p.softcap) : dot * p.scale;
-      s[j] = visible(n0 + c, qpos, t.ctx, p.window) ? x : -INFINITY;
-    }
-    float mx = fmaxf(s[0], s[1]);
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
-    const float m_new = fmaxf(m, mx);
-    const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet stays at 0
-    const float corr = expf(m - m_use);
-    const float p0 = expf(s[0] - m_use), p1 = expf(s[1] - m_use);
-    m = m_new;
-    l = l * corr + p0 + p1;  // this thread's share; the row total is summed at the end
-    sP[r * kPS + g] = p0;
-    sP[r * kPS + g + 8] = p1;
-    __syncwarp();  // a row's 8 threads are in one warp
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i] *= corr;
-    for (int c = 0; c < kSimtKeys; ++c) {
-      const float pv = sP[r * kPS + c];
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) o[i] += pv * sV[c * kS + g + 8 * i];
-    }
-  }
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  l += __shfl_xor_sync(0xffffffffu, l, 4);
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-  if (t.m0 + r < t.q_len) {
-    T* out = static_cast<T*>(p.out) + (int64_t)(t.q_begin + t.m0 + r) * p.o_tok + (int64_t)head * p.o_head;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) out[g + 8 * i] = Conv<T>::from_float(o[i] * inv);
-  }
-}
-
-template <typename T, int D>
-__global__ void __launch_bounds__(kSimtThreads) simt_prefill_kernel(const Params p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  // On SM 8.0+ only fp32 takes this kernel; fp16/bf16 go to the tensor-core one (keeps the build lean).
-  if constexpr (sizeof(T) == 4) simt_body<T, D>(p);
-#else
-  simt_body<T, D>(p);
-#endif
-}
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernel (SM 8.0+, fp16/bf16)
