@@ -111,6 +111,8 @@ CASES = [
     ("gemma2", 7, True, 16),
     ("gemma2", 2048, False, 16),
     ("qwen2", 5, True, 16),
+    ("mistral", 6, True, 16),  # sliding window 8 through the fused SDPA path
+    ("mistral", 2048, False, 16),
 ]
 
 

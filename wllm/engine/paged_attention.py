@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
+import torch.nn.functional as F
 
 
 def allocate_kv_cache(
@@ -154,28 +155,51 @@ class PagedAttentionContext:
         v_flat.index_copy_(0, self.slot_mapping, v.reshape(-1, num_kv_heads, head_dim).to(layer.dtype))
 
         num_heads = q.shape[1]
-        group = num_heads // num_kv_heads
         out = torch.empty(q.shape[0], num_heads, v.shape[-1], dtype=q.dtype, device=q.device)
         if self.decode_idx:
             out[self.decode_rows] = self._attend_decodes(q, k_flat, v_flat, scale, sliding_window, logit_softcap)
         for i in self.other_idx:
-            slots = self.context_slots[i]
             lo, hi = self.query_start[i], self.query_start[i + 1]
-            n = hi - lo
-            # [kv_heads, group, n, d] x [kv_heads, d, ctx] -> [kv_heads, group, n, ctx]
-            qs = q[lo:hi].float().reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-            keys = k_flat[slots].float().permute(1, 2, 0)
-            values = v_flat[slots].float().permute(1, 0, 2)
-            scores = torch.matmul(qs, keys.unsqueeze(1)) * scale
-            if logit_softcap:
-                scores = logit_softcap * torch.tanh(scores / logit_softcap)
-            mask = self._mask(i, sliding_window, causal)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            o = torch.matmul(probs, values.unsqueeze(1))  # [kv_heads, group, n, d]
-            out[lo:hi] = o.permute(2, 0, 1, 3).reshape(n, num_heads, -1).to(q.dtype)
+            out[lo:hi] = self._attend_one(i, q[lo:hi], k_flat, v_flat, scale, causal, sliding_window,
+                                          logit_softcap)
         return out
+
+    def _attend_one(self, i: int, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, scale: float,
+                    causal: bool, window: int | None, softcap: float | None) -> torch.Tensor:
+        """Attention of sequence i's new tokens (q [n, H, D]) over its whole context."""
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k_flat.shape[1]
+        group = num_heads // num_kv_heads
+        slots = self.context_slots[i]
+        mask = self._mask(i, window, causal)
+        if not softcap:
+            # Fused SDPA kernel; KV heads repeated for grouped-query attention.
+            def heads(flat: torch.Tensor) -> torch.Tensor:  # [ctx, Hkv, D] -> [1, H, ctx, D]
+                rows = flat.index_select(0, slots).transpose(0, 1)
+                return rows.repeat_interleave(group, dim=0).unsqueeze(0).to(q.dtype)
+
+            keys, values = heads(k_flat), heads(v_flat)
+            whole_causal = causal and mask is not None and self.start_pos[i] == 0 and window is None
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), keys, values, attn_mask=None if whole_causal else mask,
+                is_causal=whole_causal, scale=scale)
+            return o[0].transpose(0, 1)
+        # Soft-capped scores need the explicit path: [kv_heads, group, n, d] x [kv_heads, d, ctx].
+        qs = q.float().reshape(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        keys = k_flat[slots].float().permute(1, 2, 0)
+        values = v_flat[slots].float().permute(1, 0, 2)
+        scores = torch.matmul(qs, keys.unsqueeze(1)) * scale
+        scores = softcap * torch.tanh(scores / softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.matmul(probs, values.unsqueeze(1))  # [kv_heads, group, n, d]
+        return o.permute(2, 0, 1, 3).reshape(n, num_heads, -1).to(q.dtype)
+
+    def _gather_decode(self, flat: torch.Tensor) -> torch.Tensor:
+        """[B, max_ctx, Hkv, D] cache rows of the decode batch (index_select beats fancy indexing)."""
+        batch, width = self.decode_slots.shape
+        return flat.index_select(0, self.decode_slots.view(-1)).view(batch, width, *flat.shape[1:])
 
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, 1, max_ctx] allowed keys of the decode batch (padding and out-of-window off)."""
@@ -191,13 +215,20 @@ class PagedAttentionContext:
                         window: int | None, softcap: float | None) -> torch.Tensor:
         batch = len(self.decode_idx)
         num_kv_heads, head_dim = k_flat.shape[1], k_flat.shape[2]
+        if not softcap:
+            # The G query heads sharing a KV head act as G queries: no repeat of K/V needed.
+            qd = q[self.decode_rows].reshape(batch, num_kv_heads, -1, head_dim)
+            keys = self._gather_decode(k_flat).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+            values = self._gather_decode(v_flat).transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=self._decode_mask(window), scale=scale)
+            return o.reshape(batch, -1, head_dim)
         qd = q[self.decode_rows].float().reshape(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
-        keys = k_flat[self.decode_slots].float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
+        keys = self._gather_decode(k_flat).float().permute(0, 2, 3, 1)  # [B, Hkv, D, L]
         scores = torch.matmul(qd, keys) * scale  # [B, Hkv, G, L]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~self._decode_mask(window), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        values = v_flat[self.decode_slots].float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        values = self._gather_decode(v_flat).float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
         o = torch.matmul(probs, values)  # [B, Hkv, G, D]
         return o.reshape(batch, -1, o.shape[-1]).to(q.dtype)
