@@ -140,7 +140,8 @@ def check_chart_support() -> None:
 
 
 def draw_chart(path: str | os.PathLike[str], results: list[BenchResult], title: str = "") -> None:
-    """One panel per result: wLLM, HF and the floor as bars, the target as a dashed line."""
+    """One panel per result: wLLM, HF and the floor as bars, the target as a dashed line (a
+    logarithmic axis when the bars differ more than 30x); '*' marks a capped HF number."""
     check_chart_support()
     import matplotlib
 
@@ -150,24 +151,33 @@ def draw_chart(path: str | os.PathLike[str], results: list[BenchResult], title: 
     n = max(len(results), 1)
     cols = min(n, 3)
     nrows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.9 * nrows), squeeze=False)
     colors = {"wLLM": "#2b6cb0", "HF": "#a0aec0", "floor": "#2f855a"}
     for ax, r in zip(axes.flat, results):
         labels = ["wLLM", "HF", "floor"]
         values = [r.wllm, r.hf or 0.0, r.floor]
+        positive = [v for v in values if v > 0]
+        # A 28 s baseline next to a 0.2 s floor flattens the interesting bars: go logarithmic.
+        log = bool(positive) and max(positive) / min(positive) > 30
+        if log:
+            ax.set_yscale("log")
         bars = ax.bar(labels, values, color=[colors[k] for k in labels])
         for bar, v, label in zip(bars, values, labels):
             text = "n/a" if label == "HF" and r.hf is None else format_value(v, r.metric)
             if label == "HF" and r.hf is not None and r.hf_note:
                 text += "*"
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=8)
+            y = v if v > 0 else (min(positive) if log and positive else 0.0)
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
+        better = "higher" if r.higher_is_better else "lower"
+        heading = f"{r.bench}: {r.shape}\n{r.metric}, {better} is better"
         if r.target is not None:
             ax.axhline(r.target, color="#c53030", linestyle="--", linewidth=1)
-            ax.annotate(f"target {format_value(r.target, r.metric)}", (0.02, r.target), color="#c53030",
-                        fontsize=7, xycoords=("axes fraction", "data"), va="bottom")
-        better = "higher" if r.higher_is_better else "lower"
-        ax.set_title(f"{r.bench}: {r.shape}\n{r.metric} ({better} is better)", fontsize=9)
+            sign = ">=" if r.higher_is_better else "<="
+            heading += f"\ntarget (dashed) {sign} {format_value(r.target, r.metric)}: {r.status}"
+        ax.set_title(heading, fontsize=9)
         ax.margins(y=0.15)
+        if log:
+            ax.set_ylabel("log scale", fontsize=7)
     for ax in list(axes.flat)[len(results):]:
         ax.axis("off")
     if title:

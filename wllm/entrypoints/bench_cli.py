@@ -204,11 +204,16 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (benchmarks/gpu_*.py): `main(["latency", "--skip-hf"])`."""
+def build_parser() -> argparse.ArgumentParser:
+    """A `wllm` parser holding only `bench` (for the standalone entry and tests)."""
     parser = argparse.ArgumentParser(prog="wllm")
     register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (benchmarks/gpu_*.py): `main(["latency", "--skip-hf"])`."""
+    args = build_parser().parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args) or 0)
 
 
