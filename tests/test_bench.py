@@ -142,7 +142,8 @@ def test_format_value() -> None:
 
 
 def test_table_rows_columns_and_footnotes() -> None:
-    rows = [_rate(231.4, note="decode rate over 64 of 256 tokens"), _rate(90.0, hf=None), _time(1.23)]
+    rows = [_rate(231.4, note="decode rate over 64 of 256 tokens"), _rate(90.0, hf=None), _time(1.23),
+            _rate(50.0, hf=None, note="baseline failed: OutOfMemoryError")]
     table = format_table(rows)
     lines = table.splitlines()
     assert lines[0].split("|")[1].strip() == "benchmark"
@@ -156,7 +157,9 @@ def test_table_rows_columns_and_footnotes() -> None:
     assert second[4] == "-" and second[5] == "-" and second[-1] == "MISS"
     third = [c.strip() for c in body[4].split("|")[1:-1]]
     assert third[3] == "1.23" and third[8] == "<= 1.00" and third[9] == "MISS" and third[7] == "17.9%"
-    assert lines[-1] == "* HF decode rate over 64 of 256 tokens"
+    fourth = [c.strip() for c in body[5].split("|")[1:-1]]
+    assert fourth[4] == "-**"
+    assert lines[-2:] == ["* HF decode rate over 64 of 256 tokens", "** HF baseline failed: OutOfMemoryError"]
 
 
 def test_json_round_trip_and_report_command(tmp_path, capsys) -> None:

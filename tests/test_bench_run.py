@@ -120,3 +120,36 @@ def test_gpu_wrapper_writes_json_to_out(tiny_shape: Path, tmp_path: Path) -> Non
     _, (r,) = read_json(tmp_path / "bench_prefill.json")
     assert r.bench == "prefill" and r.wllm > 0
     assert "| prefill" in proc.stdout
+
+
+def test_wllm_engine_is_freed_before_the_next_model(tiny_shape: Path) -> None:
+    """The HF baseline (and the next shape) get the memory back: nothing keeps the engine alive."""
+    import weakref
+
+    from wllm.bench.suite import BenchConfig, _with_llm
+    from wllm.bench.wllm_runs import EngineOptions
+
+    cfg = BenchConfig(shapes=[], prompt_len=4, output_len=2,
+                      engine=EngineOptions(device="cpu", dtype="float32", kv_cache_memory=8 << 20))
+    ref, _ = _with_llm(cfg, resolve_shape(str(tiny_shape)), 8, lambda llm: weakref.ref(llm.engine.model))
+    assert ref() is None
+
+
+def test_failing_hf_baseline_keeps_the_wllm_numbers(tiny_shape: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from wllm.bench import hf_runs
+    from wllm.bench.suite import BenchConfig, run_latency
+    from wllm.bench.wllm_runs import EngineOptions
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(hf_runs, "hf_latency", broken)
+    lines: list[str] = []
+    cfg = BenchConfig(shapes=[str(tiny_shape)], prompt_len=6, output_len=4, runs=1, warmup=0,
+                      engine=EngineOptions(device="cpu", dtype="float32", kv_cache_memory=8 << 20), log=lines.append)
+    (r,) = run_latency(cfg)
+    assert r.wllm > 0 and r.hf is None and r.vs_hf is None
+    assert any("HF baseline failed: OutOfMemoryError: CUDA out of memory (simulated)" in ln for ln in lines)
+    assert lines[-1].startswith(f"[latency] {tiny_shape.name}: wLLM ")
+    assert "HF - (baseline failed: OutOfMemoryError" in lines[-1]
+    assert r.hf_note.startswith("baseline failed: OutOfMemoryError")

@@ -43,8 +43,15 @@ def build_hf_model(shape: Shape, device: torch.device, dtype: torch.dtype, attn_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # "paged|" prefix deprecation notice
         with torch.device(device):
-            model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                        attn_implementation=attn_implementation)
+            try:
+                model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                            attn_implementation=attn_implementation)
+            except ValueError:
+                # Releases that dropped the "paged|" spelling page the plain backend themselves.
+                if not attn_implementation.startswith("paged|"):
+                    raise
+                model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                            attn_implementation=attn_implementation[6:])
     return model.eval()
 
 

@@ -93,7 +93,7 @@ def format_table(results: list[BenchResult]) -> str:
     notes: list[str] = []
     for r in results:
         hf = format_value(r.hf, r.metric)
-        if r.hf is not None and r.hf_note:
+        if r.hf_note:  # a capped run, or why there is no number
             notes.append(r.hf_note)
             hf += "*" * len(notes)
         vs = r.vs_hf
@@ -164,7 +164,7 @@ def draw_chart(path: str | os.PathLike[str], results: list[BenchResult], title: 
         bars = ax.bar(labels, values, color=[colors[k] for k in labels])
         for bar, v, label in zip(bars, values, labels):
             text = "n/a" if label == "HF" and r.hf is None else format_value(v, r.metric)
-            if label == "HF" and r.hf is not None and r.hf_note:
+            if label == "HF" and r.hf_note:
                 text += "*"
             y = v if v > 0 else (min(positive) if log and positive else 0.0)
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y), ha="center", va="bottom", fontsize=8)

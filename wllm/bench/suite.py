@@ -77,9 +77,10 @@ def _with_llm(cfg: BenchConfig, shape: Shape, workload_len: int, body: Callable[
         release_memory()
 
 
-def _with_hf(cfg: BenchConfig, shape: Shape, attn: str, body: Callable[[Any, torch.device], Any]) -> Any:
-    """Build the HF baseline model, run `body(model, device)`, free it. A failing baseline is
-    logged and gives None, so it never throws away the wLLM numbers measured before it."""
+def _with_hf(cfg: BenchConfig, shape: Shape, attn: str,
+             body: Callable[[Any, torch.device], Any]) -> tuple[Any, str]:
+    """Build the HF baseline model, run `body(model, device)`, free it; returns (result, "") or
+    (None, why). A failing baseline is logged and never throws away the wLLM numbers before it."""
     from wllm.bench.hf_runs import build_hf_model
 
     device = resolve_device(cfg.engine.device)
@@ -88,17 +89,19 @@ def _with_hf(cfg: BenchConfig, shape: Shape, attn: str, body: Callable[[Any, tor
     model = None
     try:
         model = build_hf_model(shape, device, dtype, attn)
-        return body(model, device)
+        return body(model, device), ""
     except Exception as e:  # noqa: BLE001 -- any HF failure (OOM, API change) only loses the baseline
-        cfg.log(f"[hf] {shape.name}: the HF baseline failed: {type(e).__name__}: {e}")
-        return None
+        why = f"baseline failed: {type(e).__name__}: {e}"
+        cfg.log(f"[hf] {shape.name}: the HF {why}")
+        return None, why
     finally:
         del model
         release_memory()
 
 
 def _report(cfg: BenchConfig, r: BenchResult) -> BenchResult:
-    hf = "skipped" if r.hf is None else f"{format_value(r.hf, r.metric)}" + (f" ({r.hf_note})" if r.hf_note else "")
+    hf = ("skipped" if r.hf is None and not r.hf_note else format_value(r.hf, r.metric)) + (
+        f" ({r.hf_note})" if r.hf_note else "")
     vs = f", {r.vs_hf:.2f}x HF" if r.vs_hf is not None else ""
     if r.target is None:
         target = "no target for this setting"
@@ -116,15 +119,20 @@ def _latency_one(cfg: BenchConfig, name: str) -> BenchResult:
     plen, olen = cfg.prompt_len, cfg.output_len
     timing, load_s = _with_llm(cfg, shape, plen + olen,
                                lambda llm: wllm_latency(llm, prompts, plen, olen, cfg.runs, cfg.warmup))
-    hf, note = None, ""
+    hf, note, hf_details = None, "", {}
     if not cfg.skip_hf:
         from wllm.bench.hf_runs import hf_latency
 
         hf_len = min(olen, max(cfg.hf_max_tokens, 2))
-        hf_timing = _with_hf(cfg, shape, "sdpa", lambda m, dev: hf_latency(m, dev, prompts, plen, hf_len, 1, 1))
-        hf = hf_timing.decode_tok_s if hf_timing is not None else None
-        if hf is not None and hf_len < olen:
-            note = f"eager generate, decode rate over {hf_len} of {olen} tokens"
+        # One timed pair after one warm-up: HF eager decode is steady and slow (~60 ms a step there).
+        hf_timing, note = _with_hf(cfg, shape, "sdpa",
+                                   lambda m, dev: hf_latency(m, dev, prompts, plen, hf_len, 1, 1))
+        if hf_timing is not None:
+            hf = hf_timing.decode_tok_s
+            hf_details = {"hf_first_token_s": hf_timing.first_token_s, "hf_end_to_end_s": hf_timing.total_s,
+                          "hf_output_len": hf_len}
+            if hf_len < olen:
+                note = f"eager generate, decode rate over {hf_len} of {olen} tokens"
     return BenchResult(
         bench="latency", shape=shape.name, metric="decode tok/s", higher_is_better=True,
         wllm=timing.decode_tok_s, hf=hf, hf_note=note,
@@ -132,7 +140,8 @@ def _latency_one(cfg: BenchConfig, name: str) -> BenchResult:
         target=floors.target_for("latency", shape.name, cfg.workload, cfg.engine.dtype),
         details={"end_to_end_s": timing.total_s, "first_token_s": timing.first_token_s,
                  "runs_total_s": timing.runs_total_s, "runs_first_token_s": timing.runs_first_s,
-                 "load_s": load_s, "weight_bytes": stats.weight_bytes, "num_params": stats.num_params},
+                 "load_s": load_s, "weight_bytes": stats.weight_bytes, "num_params": stats.num_params,
+                 **hf_details},
     )
 
 
@@ -140,15 +149,16 @@ def _prefill_one(cfg: BenchConfig, name: str) -> BenchResult:
     shape, stats, prompts = _prepare(cfg, name)
     plen, warmup = cfg.prompt_len, max(cfg.warmup, 1)
     times, load_s = _with_llm(cfg, shape, plen + 1, lambda llm: wllm_prefill(llm, prompts, plen, cfg.runs, warmup))
-    hf = None
+    hf, note = None, ""
     if not cfg.skip_hf:
         from wllm.bench.hf_runs import hf_prefill
 
-        hf_times = _with_hf(cfg, shape, "sdpa", lambda m, dev: hf_prefill(m, dev, prompts, plen, cfg.runs, warmup))
+        hf_times, note = _with_hf(cfg, shape, "sdpa",
+                                  lambda m, dev: hf_prefill(m, dev, prompts, plen, cfg.runs, warmup))
         hf = plen / statistics.median(hf_times) if hf_times else None
     return BenchResult(
         bench="prefill", shape=shape.name, metric="prefill tok/s", higher_is_better=True,
-        wllm=plen / statistics.median(times), hf=hf,
+        wllm=plen / statistics.median(times), hf=hf, hf_note=note,
         floor=floors.prefill_floor_tok_s(stats, plen, cfg.hardware), floor_note="compute",
         target=floors.target_for("prefill", shape.name, cfg.workload, cfg.engine.dtype),
         details={"runs_s": times, "load_s": load_s, "flops": floors.prefill_flops(stats, plen),
@@ -166,8 +176,9 @@ def _throughput_one(cfg: BenchConfig, name: str) -> BenchResult:
         from wllm.bench.hf_runs import hf_throughput
 
         n_hf = min(nreq, max(cfg.hf_max_requests, 1))
-        hf_times = _with_hf(cfg, shape, "paged|sdpa",
-                            lambda m, dev: hf_throughput(m, prompts, n_hf, plen, olen, cfg.warmup))
+        # No warm-up call: generate_batch warms up inside every call, before the span that counts.
+        hf_times, note = _with_hf(cfg, shape, "paged|sdpa",
+                                  lambda m, dev: hf_throughput(m, prompts, n_hf, plen, olen, warmup=0))
         if hf_times is not None:
             hf_raw, hf_wall = hf_times
             hf = hf_raw * nreq / n_hf
