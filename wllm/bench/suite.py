@@ -52,7 +52,7 @@ class BenchConfig:
     hf_max_tokens: int = 64
     hardware: Hardware = H200
     engine: EngineOptions = field(default_factory=EngineOptions)
-    log: Callable[[str], None] = print
+    log: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
     @property
     def workload(self) -> Workload:
@@ -70,6 +70,7 @@ def _with_llm(cfg: BenchConfig, shape: Shape, workload_len: int, body: Callable[
     start = time.perf_counter()
     llm = build_llm(shape, cfg.engine, workload_len)
     load_s = time.perf_counter() - start
+    cfg.log(f"[wllm] {shape.name}: engine built in {load_s:.1f} s on {llm.engine.runner.device}; timing")
     try:
         return body(llm), load_s
     finally:
@@ -88,8 +89,13 @@ def _with_hf(cfg: BenchConfig, shape: Shape, attn: str,
     assert dtype is not None
     model = None
     try:
+        start = time.perf_counter()
         model = build_hf_model(shape, device, dtype, attn)
-        return body(model, device), ""
+        cfg.log(f"[hf] {shape.name}: transformers model ({attn}) built in {time.perf_counter() - start:.1f} s; "
+                "timing")
+        result = body(model, device)
+        cfg.log(f"[hf] {shape.name}: done in {time.perf_counter() - start:.1f} s")
+        return result, ""
     except Exception as e:  # noqa: BLE001 -- any HF failure (OOM, API change) only loses the baseline
         why = f"baseline failed: {type(e).__name__}: {e}"
         cfg.log(f"[hf] {shape.name}: the HF {why}")
