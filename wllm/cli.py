@@ -9,7 +9,7 @@ import sys
 from wllm.version import __version__
 
 # Subcommands provided by other modules: each exposes register(subparsers).
-_PLUGGED = ("wllm.entrypoints.serve_cli", "wllm.entrypoints.generate_cli")
+_PLUGGED = ("wllm.entrypoints.serve_cli", "wllm.entrypoints.generate_cli", "wllm.entrypoints.bench_cli")
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
