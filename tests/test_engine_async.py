@@ -135,3 +135,26 @@ def test_failing_steps_fail_requests_then_mark_engine_unhealthy(tmp_path_factory
     finally:
         del model.forward
         engine.shutdown()
+
+
+def test_abort_frees_blocks_and_stats_show_it_while_idle(tmp_path_factory):
+    model, _ = tiny("llama", tmp_path_factory)
+    engine = async_engine(model)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        gen = engine.generate(make_prompts()[1], params, "long")
+        first = await gen.__anext__()
+        assert not first.finished
+        running = engine.stats()["num_running"]
+        await engine.abort("long")  # returns once the engine applied it; no later step runs
+        return running, engine.stats()
+
+    try:
+        running, stats = asyncio.run(main())
+        assert running == 1
+        assert stats["num_running"] == 0 and stats["kv_cache_usage"] == 0
+        assert "long" not in engine.engine.scheduler.groups
+    finally:
+        engine.shutdown()
+    assert_all_free(engine.engine)

@@ -145,9 +145,20 @@ class AsyncEngine:
                 self._submit(lambda: self._abort_now(request_id))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its blocks are freed before the next step."""
-        if self._dead is None:
-            self._submit(lambda: self._abort_now(request_id))
+        """Abort a request and return once the engine has freed its blocks (an unknown id is a no-op)."""
+        if self._dead is not None:
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def command() -> None:
+            try:
+                self._abort_now(request_id)
+            finally:
+                loop.call_soon_threadsafe(_settle, done, None)
+
+        self._submit(command)
+        await done
 
     # ------------------------------------------------------------------------------ loop thread
     def _abort_now(self, request_id: str) -> None:
@@ -155,6 +166,8 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None and out is not None:
             stream.put(out)
+        # The engine may now go idle with no step to refresh the counters that /metrics reads.
+        self._stats = self.engine.stats()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
