@@ -75,6 +75,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     dtype: str = "auto"  # "auto" -> the model's dtype
     seed: int = 0  # seeds the random stream of requests that give no seed
+    enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs for decode steps)
 
     def validate(self) -> None:
         self.cache.validate()

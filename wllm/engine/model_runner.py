@@ -4,6 +4,10 @@ The runner owns the device KV cache and the CPU swap pool (see paged_attention.p
 layout) and turns a `SchedulerOutput` into flattened `input_ids[T]`, `positions[T]` and a
 `PagedAttentionContext`. Logits are computed only for rows that are sampled (the last token of
 a sequence whose chunk reaches its end) and for prompt positions whose logprobs were asked for.
+
+On CUDA with the kernel library (and a head size, block size and dtype the kernels support) steps
+go through `CudaStepRunner` instead: kernel attention, GPU sampling, persistent staged inputs and
+CUDA graphs for decode steps (see cuda_runner.py). Elsewhere the PyTorch path below runs them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ import logging
 import torch
 from torch import nn
 
+from wllm import kernels
 from wllm.engine.config import CacheConfig, GiB
+from wllm.engine.cuda_attention import CudaAttentionContext, cuda_attention_unsupported, layer_caches
 from wllm.engine.paged_attention import (
     PagedAttentionContext,
     allocate_kv_cache,
@@ -45,7 +51,8 @@ class ModelRunner:
     """Holds the model, its paged KV cache and the swap pool; executes steps."""
 
     def __init__(self, model: nn.Module, cache_config: CacheConfig, max_num_batched_tokens: int,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, *, max_num_seqs: int = 256, max_model_len: int | None = None,
+                 enforce_eager: bool = False) -> None:
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "num_hidden_layers"):
             raise TypeError(f"{type(model).__name__} has no `config` with the layer shapes the KV cache needs")
@@ -56,6 +63,9 @@ class ModelRunner:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.block_size = cache_config.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 2048
+        self.use_cuda_kernels = self._cuda_kernels_usable()
         self.block_bytes = kv_cache_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
                                                     self.head_dim, self.dtype)
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._blocks_from_memory(
@@ -73,6 +83,27 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %d CPU swap blocks",
                     self.num_gpu_blocks, self.block_size, self.num_gpu_blocks * self.block_bytes / 2**20,
                     self.device, self.num_cpu_blocks)
+        self.cuda_runner = None
+        if self.use_cuda_kernels:
+            from wllm.engine.cuda_runner import CudaStepRunner
+
+            self.cuda_runner = CudaStepRunner(model, self.kv_cache, max_num_batched_tokens=max_num_batched_tokens,
+                                              max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                                              enforce_eager=enforce_eager)
+
+    def _cuda_kernels_usable(self) -> bool:
+        """CUDA kernels serve this model when the library runs on the device and supports its shapes."""
+        if self.device.type != "cuda" or not hasattr(self.model, "compute_logits"):
+            return False
+        if not kernels.available(self.device.index or 0):
+            logger.warning("the CUDA kernel library is not usable on %s; running the slower PyTorch path",
+                           self.device)
+            return False
+        why = cuda_attention_unsupported(self.head_dim, self.block_size, self.dtype)
+        if why is not None:
+            logger.warning("CUDA attention kernels do not support %s; running the PyTorch attention path", why)
+            return False
+        return True
 
     def _blocks_from_memory(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         if self.device.type != "cuda":
@@ -95,10 +126,23 @@ class ModelRunner:
         scratch_blocks = -(-num_tokens // bs)
         scratch = allocate_kv_cache(self.num_layers, scratch_blocks, bs, self.num_kv_heads, self.head_dim,
                                     self.dtype, self.device)
-        ctx = PagedAttentionContext(scratch, [list(range(scratch_blocks))], [0], [num_tokens])
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), ctx)
-        self.model.compute_logits(hidden[-1:])
+        positions = torch.arange(num_tokens, device=self.device)
+        # Sampling rows of a step: up to one per running sequence.
+        num_rows = max(1, min(num_tokens, self.max_num_seqs))
+        if self.use_cuda_kernels:
+            i32 = {"dtype": torch.int32, "device": self.device}
+            ctx = CudaAttentionContext(layer_caches(scratch), positions, torch.arange(scratch_blocks, **i32)[None],
+                                       torch.tensor([num_tokens], **i32), torch.tensor([0, num_tokens], **i32),
+                                       decode=False, max_seq_len=num_tokens)
+            hidden = self.model(ids, positions, ctx)
+            logits = self.model.compute_logits(hidden[-num_rows:])
+            kernels.sample(logits, torch.zeros(num_rows, 6, device=self.device),
+                           torch.zeros(num_rows, 3, dtype=torch.int64, device=self.device))
+        else:
+            ctx = PagedAttentionContext(scratch, [list(range(scratch_blocks))], [0], [num_tokens])
+            hidden = self.model(ids, positions, ctx)
+            self.model.compute_logits(hidden[-num_rows:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.numel() * scratch.element_size()
         del scratch, ctx, hidden
@@ -112,6 +156,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
         """Run one step and return each scheduled sequence's sampled tokens and prompt logprobs."""
+        if self.cuda_runner is not None:
+            # One batched, stream-ordered copy per kind; the CPU pool is never read on the host, so
+            # the step's later sync is the only one these need.
+            for src, dst, pairs in ((self.kv_cache, self.kv_cache, out.blocks_to_copy),
+                                    (self.kv_cache, self.cpu_cache, out.blocks_to_swap_out),
+                                    (self.cpu_cache, self.kv_cache, out.blocks_to_swap_in)):
+                if pairs:
+                    kernels.copy_blocks(src, dst, torch.tensor(pairs, dtype=torch.int64), block_dim=2)
+            return self.cuda_runner.execute(out) if out.seqs else {}
         copy_blocks(self.kv_cache, out.blocks_to_copy)
         swap_blocks(self.kv_cache, self.cpu_cache, out.blocks_to_swap_out)
         swap_blocks(self.cpu_cache, self.kv_cache, out.blocks_to_swap_in)

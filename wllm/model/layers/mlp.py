@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wllm.kernels import act_and_mul
+from wllm.kernels import available as kernels_available
 from wllm.model.layers.linear import Linear, MergedLinear
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -20,6 +22,10 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
 }
 
+# HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
+_FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
+                          "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation function for an HF `hidden_act` name."""
@@ -30,14 +36,22 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`)."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`).
+
+    On CUDA (kernel library present) act(gate) * up is one fused kernel over the [gate | up]
+    output; on the CPU it stays in PyTorch, unchanged.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, (intermediate_size, intermediate_size), ("gate", "up"), bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
         self.act = get_activation(act)
+        self.fused_act = _FUSED.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if self.fused_act is not None and gate_up.is_cuda and kernels_available(gate_up.device.index or 0):
+            return self.down_proj(act_and_mul(gate_up, self.fused_act))
+        gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)

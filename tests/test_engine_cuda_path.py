@@ -1,0 +1,172 @@
+"""The CUDA step path (cuda_runner.py: staged inputs, kernel attention context, GPU sampling inputs,
+logprobs on the device) run on the CPU through the kernels' PyTorch references, against HF and the
+CPU engine. The same code runs on the GPU with the compiled kernels (test_engine_cuda_graphs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import GREEDY, assert_all_free, engine_for, make_prompts, reference, run_staggered, tiny
+
+from wllm.engine.cuda_graphs import graph_batch_sizes
+from wllm.engine.cuda_runner import CudaStepRunner
+from wllm.engine.gpu_sampler import SamplingBuffers
+from wllm.engine.sampler import Sampler, SamplingRow
+from wllm.kernels import pack_sampling_rows, sample
+from wllm.sampling_params import SamplingParams
+
+
+def kernel_engine(model, **kwargs):
+    """An engine whose runner steps through CudaStepRunner (on the CPU: kernel references)."""
+    engine = engine_for(model, **kwargs)
+    runner = engine.runner
+    runner.cuda_runner = CudaStepRunner(model, runner.kv_cache, max_num_batched_tokens=kwargs.get("budget", 2048),
+                                        max_num_seqs=kwargs.get("seqs", 256), max_model_len=engine.max_model_len,
+                                        enforce_eager=True)
+    return engine
+
+
+@pytest.mark.parametrize(("name", "budget", "caching"), [("llama", 5, True), ("llama", 2048, False),
+                                                          ("gemma2", 7, True), ("mistral", 6, True)])
+def test_kernel_path_greedy_matches_hf_staggered(name, budget, caching, tmp_path_factory):
+    torch.manual_seed(0)
+    model, hf = tiny(name, tmp_path_factory)
+    prompts = make_prompts(16)
+    ref = reference(name, hf, prompts)
+    engine = kernel_engine(model, budget=budget, caching=caching)
+    outs = run_staggered(engine, prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert engine.runner.cuda_runner.num_eager_steps == engine.num_steps
+    if caching:
+        assert engine.stats()["prefix_cache_hits"] > 0
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("cpu_blocks", [64, 0])
+def test_kernel_path_under_kv_pressure_swap_and_recompute(cpu_blocks, tmp_path_factory):
+    torch.manual_seed(0)
+    model, hf = tiny("llama", tmp_path_factory)
+    prompts = make_prompts(16)
+    ref = reference("llama", hf, prompts)
+    engine = kernel_engine(model, budget=16, blocks=12, cpu_blocks=cpu_blocks)
+    outs = run_staggered(engine, prompts, GREEDY, per_step=4)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    stats = engine.stats()
+    assert (stats["num_preemptions_swap"] > 0) == (cpu_blocks > 0) and stats["num_preemptions"] > 0
+    assert_all_free(engine)
+
+
+def test_kernel_path_seeded_sampling_is_batch_independent_and_reproducible(tmp_path_factory):
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    prompts = make_prompts(8)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=10, seed=100 + i, ignore_eos=True)
+              for i in range(8)]
+    batch = kernel_engine(model, budget=9).generate(prompts, params)
+    again = kernel_engine(model).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in again]
+    for i in (0, 5):
+        alone = kernel_engine(model).generate([prompts[i]], params[i])[0]
+        assert alone.outputs[0].token_ids == batch[i].outputs[0].token_ids
+    assert len({tuple(o.outputs[0].token_ids) for o in batch}) == 8
+
+
+def test_kernel_path_n_sequences_fork(tmp_path_factory):
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    prompt = make_prompts()[1]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7, ignore_eos=True)
+    engine = kernel_engine(model, caching=False)
+    (out,) = engine.generate([prompt], params)
+    single = kernel_engine(model).generate([prompt], SamplingParams(temperature=1.0, max_tokens=6, seed=7,
+                                                                    ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == single.outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    assert_all_free(engine)
+
+
+def test_kernel_path_logprobs_match_the_cpu_engine(tmp_path_factory):
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    prompts = make_prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    ours = kernel_engine(model, budget=5).generate(prompts, params)
+    cpu = engine_for(model, budget=5).generate(prompts, params)
+    for a, b in zip(ours, cpu):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs)
+        pairs = list(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])) + list(zip(a.outputs[0].logprobs,
+                                                                                  b.outputs[0].logprobs))
+        for x, y in pairs:
+            assert (x.token_id, x.rank) == (y.token_id, y.rank)
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
+            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+            assert [t.logprob for t in x.top] == pytest.approx([t.logprob for t in y.top], abs=1e-5)
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def _rows():
+    base = dict(temperature=0.0, max_tokens=8)
+    specs = [
+        SamplingParams(**base),
+        SamplingParams(**base, logit_bias={5: 100.0, 7: -2.0, 10_000: 1.0}),  # 10000 is out of the vocab
+        SamplingParams(**base, min_tokens=4, stop_token_ids=[11]),
+        SamplingParams(**base, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, max_tokens=8, seed=3),
+    ]
+    rows = []
+    for i, p in enumerate(specs):
+        rows.append(SamplingRow(p, seed=p.seed if p.seed is not None else 40 + i, index=i % 2,
+                                prompt_token_ids=[3, 4, 5, 11], output_token_ids=[6, 6, 9][: i % 4],
+                                eos_token_ids=[2]))
+    return rows
+
+
+def test_sampling_buffers_pack_like_the_kernel_packer_and_greedy_matches_the_cpu_sampler():
+    torch.manual_seed(0)
+    vocab = 64
+    rows = _rows()
+    logits = torch.randn(len(rows), vocab) * 3
+    logits[:, 2] = 50.0  # EOS would win where min_tokens does not ban it
+    buffers = SamplingBuffers(8, vocab, torch.device("cpu"), bias_capacity=16, penalty_capacity=32)
+    packed, static = buffers.pack(rows)
+    assert static
+    ours = sample(logits.clone(), **packed)
+    theirs = sample(logits.clone(), **pack_sampling_rows(rows))
+    assert torch.equal(ours[0], theirs[0]) and torch.allclose(ours[1], theirs[1])
+    cpu = Sampler()(logits.clone(), rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
+    assert [int(ours[0][i]) for i in greedy] == [cpu[i].token_id for i in greedy]
+    assert int(ours[0][1]) == 5 and int(ours[0][2]) != 2  # the bias wins; EOS banned under min_tokens
+
+    # Padding rows are greedy with no CSR entries; the full-capacity CSR gives the same samples.
+    full, static = buffers.pack(rows, 8, full_csr=True)
+    assert static and full["params_f32"].shape == (8, 6) and full["bias_tokens"].shape == (16,)
+    padded = torch.cat([logits, torch.randn(3, vocab)])
+    tokens = sample(padded.clone(), **full)[0]
+    assert torch.equal(tokens[: len(rows)], ours[0])
+    assert torch.equal(tokens[len(rows):], padded[len(rows):].argmax(-1))
+
+    # Over capacity: one-off tensors, flagged as not static (no graph replay for that step).
+    small = SamplingBuffers(8, vocab, torch.device("cpu"), bias_capacity=2, penalty_capacity=32)
+    packed, static = small.pack(rows)
+    assert not static and torch.equal(sample(logits.clone(), **packed)[0], theirs[0])
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(3) == [1, 2, 4]
+    assert graph_batch_sizes(8) == [1, 2, 4, 8]
+    assert graph_batch_sizes(12) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 8))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph_batch_sizes(0)
+
+
+def test_enforce_eager_is_an_engine_argument():
+    from wllm.engine.config import engine_config_from_kwargs
+
+    assert engine_config_from_kwargs(enforce_eager=True).enforce_eager
+    assert not engine_config_from_kwargs().enforce_eager
+
+

@@ -1,0 +1,97 @@
+"""`AttentionContext` on CUDA: the paged KV cache through the prebuilt kernels.
+
+Each layer's `attend` writes the new keys and values into their slots with `reshape_and_cache`
+(slot -1 = a padding row, skipped), then runs `paged_decode_attention` when every sequence has
+exactly one new token, and `paged_prefill_attention` otherwise (it handles prefill chunks, prefix
+hits and decode tokens in one mixed batch). Sliding window, logit soft-capping and grouped-query
+attention go straight to the kernels. All metadata are device tensors prepared by the runner, so
+the same context object can be captured in a CUDA graph and replayed with new contents.
+
+Cache layout as in paged_attention.py: `[num_layers, 2, num_blocks, block_size, Hkv, D]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wllm.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from wllm.kernels.ops import DECODE_HEAD_SIZES, PREFILL_HEAD_SIZES
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def cuda_attention_unsupported(head_dim: int, block_size: int, dtype: torch.dtype) -> str | None:
+    """Why the CUDA attention kernels cannot serve this cache (None when they can)."""
+    if head_dim not in DECODE_HEAD_SIZES or head_dim not in PREFILL_HEAD_SIZES:
+        return f"head size {head_dim} (kernels support {', '.join(map(str, DECODE_HEAD_SIZES))})"
+    if block_size < 8 or block_size & (block_size - 1):
+        return f"block size {block_size} (kernels need a power of two >= 8)"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} (kernels support float16, bfloat16, float32)"
+    return None
+
+
+def layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(key cache, value cache) views [num_blocks, block_size, Hkv, D] of every layer, made once so
+    the per-layer call does no indexing."""
+    return [(kv_cache[layer, 0], kv_cache[layer, 1]) for layer in range(kv_cache.shape[0])]
+
+
+class CudaAttentionContext:
+    """One forward pass over the paged cache with the CUDA kernels.
+
+    slot_mapping int64 [T]; block_tables int32 [S, max_blocks]; seq_lens int32 [S] (context
+    including this step's tokens, 0 for a padding row); query_start_loc int32 [S + 1].
+    `decode` selects the decode kernel (one new token per sequence); `max_seq_len` bounds seq_lens
+    for it and must stay fixed across graph replays; `workspace` is its split-KV scratch.
+    """
+
+    def __init__(
+        self,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        *,
+        decode: bool,
+        max_seq_len: int,
+        workspace: torch.Tensor | None = None,
+    ) -> None:
+        self.caches = caches
+        self.slot_mapping = slot_mapping
+        self.block_tables = block_tables
+        self.seq_lens = seq_lens
+        self.query_start_loc = query_start_loc
+        self.decode = decode
+        self.max_seq_len = max_seq_len
+        self.workspace = workspace
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        causal: bool = True,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Store k/v of the new tokens, return attention [T, Hq, D] over each sequence's cache."""
+        if not causal:
+            raise ValueError("the paged CUDA attention is causal only; encoder models run without the engine")
+        key_cache, value_cache = self.caches[layer_idx]
+        reshape_and_cache(k, v, key_cache, value_cache, self.slot_mapping)
+        if self.decode:
+            return paged_decode_attention(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale,
+                                          max_seq_len=self.max_seq_len, sliding_window=sliding_window,
+                                          logit_softcap=logit_softcap, workspace=self.workspace)
+        return paged_prefill_attention(q, key_cache, value_cache, self.block_tables, self.seq_lens,
+                                       self.query_start_loc, scale, sliding_window=sliding_window,
+                                       logit_softcap=logit_softcap)

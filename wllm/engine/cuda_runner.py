@@ -1,0 +1,271 @@
+"""The CUDA step: persistent inputs, kernel attention, GPU sampling, CUDA-graph decode, one sync.
+
+Every input of a step (token ids, positions, slot mapping, block tables, context lengths, query
+offsets, rows to compute logits for, sampling parameters) is written into pinned host buffers
+allocated once, and copied to device buffers allocated once with asynchronous copies. A step
+that only decodes (one new token and one sample per sequence, no logprobs asked, at most the
+largest captured batch) replays a CUDA graph of the forward pass plus the sampling kernel; any
+other step runs eagerly through the same kernels. The sampled token ids and their logprobs (plus
+the logprob matrices when a request asked for them) come back in one device-to-host sync.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from wllm.engine.cuda_attention import CudaAttentionContext, layer_caches
+from wllm.engine.cuda_graphs import DecodeGraphs, GraphOutputs, graph_batch_sizes
+from wllm.engine.gpu_sampler import SamplingBuffers, StagedBuffer, logprob_matrix, step_logprobs_from_row
+from wllm.engine.sampler import SampledToken, SamplingRow
+from wllm.engine.scheduler import SchedulerOutput, SeqResult
+from wllm.kernels import decode_workspace_size, sample
+
+logger = logging.getLogger(__name__)
+
+
+class StepInputs:
+    """Persistent staged buffers for a step of up to `max_tokens` tokens (and as many sequences)."""
+
+    def __init__(self, max_tokens: int, max_blocks: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.max_blocks = max_blocks
+        self.input_ids = StagedBuffer((max_tokens,), torch.int64, device)
+        self.positions = StagedBuffer((max_tokens,), torch.int64, device)
+        self.slots = StagedBuffer((max_tokens,), torch.int64, device)
+        self.block_tables = StagedBuffer((max_tokens, max_blocks), torch.int32, device)
+        self.seq_lens = StagedBuffer((max_tokens,), torch.int32, device)
+        self.query_start = StagedBuffer((max_tokens + 1,), torch.int32, device)
+        self.logit_rows = StagedBuffer((2 * max_tokens,), torch.int64, device)
+
+    def fill(self, out: SchedulerOutput, block_size: int, padded_seqs: int, padded_tokens: int) -> int:
+        """Write the step's sequences plus padding rows and start the uploads; returns the longest
+        context. Padding tokens write to slot -1 and padding sequences have no context."""
+        ids, pos, slots = self.input_ids.np, self.positions.np, self.slots.np
+        tables, lens, starts = self.block_tables.np, self.seq_lens.np, self.query_start.np
+        t = 0
+        longest = 0
+        starts[0] = 0
+        for i, s in enumerate(out.seqs):
+            n, start, blocks = len(s.token_ids), s.start_pos, s.block_ids
+            if len(blocks) > self.max_blocks:
+                raise RuntimeError(f"sequence {s.seq_id} has {len(blocks)} KV blocks; the runner's block tables "
+                                   f"hold {self.max_blocks} (max_model_len)")
+            tables[i, :len(blocks)] = blocks
+            end = start + n
+            lens[i] = end
+            longest = max(longest, end)
+            if n == 1:
+                ids[t] = s.token_ids[0]
+                pos[t] = start
+                slots[t] = blocks[start // block_size] * block_size + start % block_size
+            else:
+                p = np.arange(start, end)
+                ids[t:t + n] = s.token_ids
+                pos[t:t + n] = p
+                slots[t:t + n] = np.asarray(blocks, dtype=np.int64)[p // block_size] * block_size + p % block_size
+            t += n
+            starts[i + 1] = t
+        num_seqs = len(out.seqs)
+        ids[t:padded_tokens] = 0
+        pos[t:padded_tokens] = 0
+        slots[t:padded_tokens] = -1
+        lens[num_seqs:padded_seqs] = 0
+        starts[num_seqs + 1:padded_seqs + 1] = t
+        for buf, n in ((self.input_ids, padded_tokens), (self.positions, padded_tokens), (self.slots, padded_tokens),
+                       (self.block_tables, padded_seqs), (self.seq_lens, padded_seqs),
+                       (self.query_start, padded_seqs + 1)):
+            buf.upload(n)
+        return longest
+
+
+class CudaStepRunner:
+    """Executes steps on CUDA with the kernel library; owns the graphs and the staged buffers."""
+
+    def __init__(self, model: nn.Module, kv_cache: torch.Tensor, *, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int, enforce_eager: bool = False) -> None:
+        config = model.config
+        self.model = model
+        self.device = kv_cache.device
+        self.block_size = kv_cache.shape[3]
+        self.caches = layer_caches(kv_cache)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        max_blocks = -(-max_model_len // self.block_size)
+        self.max_seq_len = max_blocks * self.block_size
+        on_cuda = self.device.type == "cuda"
+        # Off CUDA (tests of this path on the CPU, through the kernels' PyTorch references) there
+        # are no graphs and no pinned memory.
+        sizes = [] if enforce_eager or not on_cuda else graph_batch_sizes(max_num_seqs)
+        self.graphs = DecodeGraphs(sizes, self.device)
+        capacity = max(max_num_batched_tokens, self.graphs.max_size, max_num_seqs)
+        self.inputs = StepInputs(capacity, max_blocks, self.device)
+        self.sampling = SamplingBuffers(2 * capacity, config.vocab_size, self.device)
+        pin = on_cuda
+        self.host_tokens = torch.zeros(2 * capacity, dtype=torch.int64, pin_memory=pin)
+        self.host_logprobs = torch.zeros(2 * capacity, dtype=torch.float32, pin_memory=pin)
+        index = self.device.index or 0
+        need = max([decode_workspace_size(b, self.num_heads, self.num_kv_heads, self.head_dim, self.max_seq_len,
+                                          device=index) for b in sizes] + [0])
+        self.workspace = torch.empty((need + 3) // 4, dtype=torch.float32, device=self.device) if need else None
+        self.num_graph_steps = 0
+        self.num_eager_steps = 0
+        if sizes:
+            with torch.inference_mode():
+                self.graphs.capture(self._prepare_padding, self._graph_forward)
+
+    # ------------------------------------------------------------------------------------- graphs
+    def _prepare_padding(self, batch: int) -> None:
+        """Inputs of `batch` padding rows: slot -1, no context, greedy sampling, no CSR entries."""
+        self.inputs.block_tables.np[:batch] = 0
+        self.inputs.fill(SchedulerOutput([], [], [], [], 0), self.block_size, batch, batch)
+        self.sampling.pack([], batch, full_csr=True)
+
+    def _graph_forward(self, batch: int) -> GraphOutputs:
+        inp = self.inputs
+        ctx = CudaAttentionContext(self.caches, inp.slots.dev[:batch], inp.block_tables.dev[:batch],
+                                   inp.seq_lens.dev[:batch], inp.query_start.dev[:batch + 1], decode=True,
+                                   max_seq_len=self.max_seq_len, workspace=self.workspace)
+        hidden = self.model(inp.input_ids.dev[:batch], inp.positions.dev[:batch], ctx)
+        logits = self.model.compute_logits(hidden)
+        tokens, logprobs, _ = sample(logits, **self.sampling.static_kwargs(batch))
+        return tokens, logprobs
+
+    # --------------------------------------------------------------------------------------- step
+    def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
+        """Run one step's forward and sampling; returns each sequence's sampled tokens and prompt logprobs."""
+        seqs = out.seqs
+        rows: list[SamplingRow] = []
+        owners: list[str] = []
+        sample_hidden_rows: list[int] = []
+        prompt_rows: list[int] = []
+        t = 0
+        one_token = True  # every sequence has one new token: the decode kernel serves the step
+        graphable = True  # ... and samples once, without prompt logprobs: a graph can replay it
+        for s in seqs:
+            n = len(s.token_ids)
+            if n != 1:
+                one_token = graphable = False
+            if s.num_samples != 1 or s.prompt_logprob_targets:
+                graphable = False
+            if s.prompt_logprob_targets:
+                first = t + s.prompt_logprob_start - s.start_pos
+                prompt_rows.extend(range(first, first + len(s.prompt_logprob_targets)))
+            if s.num_samples:
+                assert s.sampling is not None
+                for k in range(s.num_samples):
+                    rows.append(s.sampling if k == 0 else _fork_row(s.sampling, k))
+                    owners.append(s.seq_id)
+                    sample_hidden_rows.append(t + n - 1)
+            t += n
+        want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        num_seqs = len(seqs)
+
+        padded = self.graphs.padded_size(num_seqs) if graphable and not want_logprobs else None
+        if padded is not None:
+            sampling, static = self.sampling.pack(rows, padded, full_csr=True)
+            if not static:
+                padded = None
+        if padded is not None:
+            self.inputs.fill(out, self.block_size, padded, padded)
+            tokens, logprobs = self.graphs.replay(padded)
+            tokens, logprobs = tokens[:num_seqs], logprobs[:num_seqs]
+            prompt_mat = sample_mat = None
+            self.num_graph_steps += 1
+        else:
+            sampling, _ = self.sampling.pack(rows)
+            longest = self.inputs.fill(out, self.block_size, num_seqs, t)
+            tokens, logprobs, prompt_mat, sample_mat = self._eager(out, t, one_token, longest, sampling, rows,
+                                                                   prompt_rows, sample_hidden_rows, want_logprobs)
+            self.num_eager_steps += 1
+
+        # The one device-to-host sync of the step: token ids, their logprobs, logprob matrices.
+        num_rows = len(rows)
+        if num_rows <= self.host_tokens.numel():
+            host_tokens, host_logprobs = self.host_tokens[:num_rows], self.host_logprobs[:num_rows]
+            host_tokens.copy_(tokens, non_blocking=True)
+            host_logprobs.copy_(logprobs, non_blocking=True)
+        else:
+            host_tokens = tokens.to("cpu", non_blocking=True)
+            host_logprobs = logprobs.to("cpu", non_blocking=True)
+        host_prompt = prompt_mat.to("cpu", non_blocking=True) if prompt_mat is not None else None
+        host_sample = sample_mat.to("cpu", non_blocking=True) if sample_mat is not None else None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return self._results(out, rows, owners, host_tokens.tolist(), host_logprobs.tolist(), want_logprobs,
+                             host_sample, host_prompt)
+
+    def _eager(self, out: SchedulerOutput, num_tokens: int, decode: bool, longest: int,
+               sampling: dict[str, torch.Tensor | None], rows: list[SamplingRow], prompt_rows: list[int],
+               sample_hidden_rows: list[int], want_logprobs: list[int],
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        inp = self.inputs
+        num_seqs = len(out.seqs)
+        workspace = None
+        if decode and self.workspace is not None:
+            need = decode_workspace_size(num_seqs, self.num_heads, self.num_kv_heads, self.head_dim, longest,
+                                         device=self.device.index or 0)
+            if need <= self.workspace.numel() * 4:
+                workspace = self.workspace
+        ctx = CudaAttentionContext(self.caches, inp.slots.dev[:num_tokens], inp.block_tables.dev[:num_seqs],
+                                   inp.seq_lens.dev[:num_seqs], inp.query_start.dev[:num_seqs + 1], decode=decode,
+                                   max_seq_len=max(longest, 1), workspace=workspace)
+        hidden = self.model(inp.input_ids.dev[:num_tokens], inp.positions.dev[:num_tokens], ctx)
+        logit_rows = prompt_rows + sample_hidden_rows
+        if logit_rows == list(range(num_tokens)):
+            logits = self.model.compute_logits(hidden)
+        elif len(logit_rows) <= inp.logit_rows.np.shape[0]:
+            inp.logit_rows.np[:len(logit_rows)] = logit_rows
+            logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows.upload(len(logit_rows))))
+        else:
+            index = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden.index_select(0, index))
+        num_prompt = len(prompt_rows)
+        prompt_mat = None
+        if num_prompt:
+            top = max(s.prompt_logprobs or 0 for s in out.seqs if s.prompt_logprob_targets)
+            targets = [t for s in out.seqs for t in s.prompt_logprob_targets]
+            target_dev = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+            prompt_mat = logprob_matrix(logits[:num_prompt], target_dev, top)
+        if not rows:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return empty, empty.float(), prompt_mat, None
+        sample_logits = logits[num_prompt:]
+        tokens, logprobs, _ = sample(sample_logits, **sampling)
+        sample_mat = None
+        if want_logprobs:
+            top = max(rows[i].params.logprobs or 0 for i in want_logprobs)
+            index = torch.tensor(want_logprobs, dtype=torch.int64).to(self.device, non_blocking=True)
+            sample_mat = logprob_matrix(sample_logits.index_select(0, index), tokens.index_select(0, index), top)
+        return tokens, logprobs, prompt_mat, sample_mat
+
+    @staticmethod
+    def _results(out: SchedulerOutput, rows: list[SamplingRow], owners: list[str], tokens: list[int],
+                 logprobs: list[float], want_logprobs: list[int], sample_mat: torch.Tensor | None,
+                 prompt_mat: torch.Tensor | None) -> dict[str, SeqResult]:
+        results = {s.seq_id: SeqResult([]) for s in out.seqs}
+        if prompt_mat is not None:
+            matrix = prompt_mat.tolist()
+            r = 0
+            for s in out.seqs:
+                for target in s.prompt_logprob_targets:
+                    results[s.seq_id].prompt_logprobs.append(
+                        step_logprobs_from_row(matrix[r], int(target), s.prompt_logprobs or 0))
+                    r += 1
+        detail = dict(zip(want_logprobs, sample_mat.tolist())) if sample_mat is not None else {}
+        for i, (row, owner, token) in enumerate(zip(rows, owners, tokens)):
+            if i in detail:
+                step = step_logprobs_from_row(detail[i], token, row.params.logprobs or 0)
+                results[owner].sampled.append(SampledToken(token, step.logprob, step))
+            else:
+                results[owner].sampled.append(SampledToken(token, float(logprobs[i])))
+        return results
+
+
+def _fork_row(row: SamplingRow, index: int) -> SamplingRow:
+    """The sampling row of the `index`-th sequence forked from a prompt (no outputs yet)."""
+    return SamplingRow(row.params, row.seed, index, row.prompt_token_ids, [], row.eos_token_ids)

@@ -1,0 +1,171 @@
+"""Sampling on the GPU: persistent inputs of the `wllm.kernels.sample` kernel and logprobs on the device.
+
+The kernel takes per-row parameters (`[S, 6]` fp32, `[S, 3]` int64) and two CSR lists (logit_bias
+plus min_tokens bans; penalty tokens with their output counts). `SamplingBuffers` keeps them in
+pinned host memory and in device memory of a fixed capacity, so a step writes its rows on the host
+and starts asynchronous copies, and a CUDA graph captured over the device buffers stays valid for
+every later step. Semantics are the CPU sampler's (see sampler.py and `pack_sampling_rows`): the
+same processing order, a random stream keyed by (seed, sequence index) and counted by the output
+position, so a seeded request samples the same tokens alone or in any batch. The stream itself is
+Philox, not the CPU sampler's torch.Generator, so seeded CPU and GPU runs differ; greedy is identical.
+
+Logprobs (sampled and prompt) are computed on the device as one packed fp32 matrix per step
+(`logprob_matrix`) and turned into `StepLogprobs` on the host after the step's single copy back.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence as Seq
+
+import torch
+
+from wllm.engine.sampler import SamplingRow
+from wllm.kernels import pack_sampling_rows
+from wllm.kernels.ops import sequence_seed
+from wllm.outputs import StepLogprobs, TokenLogprob
+
+_cached_seed = functools.lru_cache(maxsize=1 << 16)(sequence_seed)
+
+
+class StagedBuffer:
+    """A pinned host buffer (with a numpy view for cheap writes) and its device twin of the same shape."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.host.numpy()
+        self.dev = torch.zeros(shape, dtype=dtype, device=device)
+
+    def upload(self, n: int) -> torch.Tensor:
+        """Copy the first n rows to the device (asynchronously from pinned memory); returns them."""
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        return self.dev[:n]
+
+
+class SamplingBuffers:
+    """Kernel inputs for up to `max_rows` rows, with CSR capacities for logit_bias and penalties.
+
+    `pack(rows, padded)` fills rows 0..len(rows)-1 and zero (greedy) padding rows up to `padded`.
+    It returns the `sample` keyword arguments and whether they live in the persistent buffers (a
+    step that overflows a capacity gets one-off tensors, and cannot replay a CUDA graph).
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, bias_capacity: int = 16384,
+                 penalty_capacity: int = 262144) -> None:
+        self.max_rows = max_rows
+        self.vocab_size = vocab_size
+        self.device = device
+        self.f32 = StagedBuffer((max_rows, 6), torch.float32, device)
+        self.i64 = StagedBuffer((max_rows, 3), torch.int64, device)
+        self.bias_off = StagedBuffer((max_rows + 1,), torch.int32, device)
+        self.bias_tok = StagedBuffer((bias_capacity,), torch.int32, device)
+        self.bias_val = StagedBuffer((bias_capacity,), torch.float32, device)
+        self.pen_off = StagedBuffer((max_rows + 1,), torch.int32, device)
+        self.pen_tok = StagedBuffer((penalty_capacity,), torch.int32, device)
+        self.pen_cnt = StagedBuffer((penalty_capacity,), torch.int32, device)
+
+    def static_kwargs(self, rows: int) -> dict[str, torch.Tensor]:
+        """The kernel arguments over the persistent device buffers for `rows` rows, CSR lists at full
+        capacity (what a CUDA graph captures: the kernel reads only the entries the offsets name)."""
+        return {
+            "params_f32": self.f32.dev[:rows], "params_i64": self.i64.dev[:rows],
+            "bias_offsets": self.bias_off.dev[:rows + 1], "bias_tokens": self.bias_tok.dev,
+            "bias_values": self.bias_val.dev, "penalty_offsets": self.pen_off.dev[:rows + 1],
+            "penalty_tokens": self.pen_tok.dev, "penalty_counts": self.pen_cnt.dev,
+        }
+
+    def pack(self, rows: Seq[SamplingRow], padded: int | None = None, *, full_csr: bool = False
+             ) -> tuple[dict[str, torch.Tensor | None], bool]:
+        """Write `rows` (plus greedy padding rows up to `padded`) and copy them to the device.
+
+        Returns (kwargs for `wllm.kernels.sample`, static). With `full_csr` the CSR arguments are
+        always the full-capacity buffers (graph replay); otherwise they are trimmed, or None when
+        the step has no entries.
+        """
+        n = len(rows)
+        padded = n if padded is None else padded
+        bias_tok: list[int] = []
+        bias_val: list[float] = []
+        bias_off = [0]
+        pen_tok: list[int] = []
+        pen_cnt: list[int] = []
+        pen_off = [0]
+        f32: list[tuple[float, ...]] = []
+        i64: list[tuple[int, int, int]] = []
+        for row in rows:
+            p = row.params
+            n_out = len(row.output_token_ids)
+            f32.append((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+                        p.presence_penalty))
+            i64.append((max(p.top_k, 0), _cached_seed(row.seed, row.index), n_out))
+            vocab = self.vocab_size
+            if p.logit_bias:
+                for t, v in p.logit_bias.items():
+                    if 0 <= int(t) < vocab:
+                        bias_tok.append(int(t))
+                        bias_val.append(float(v))
+            if n_out < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
+                banned = [t for t in banned if 0 <= t < vocab]
+                bias_tok.extend(banned)
+                bias_val.extend([float("-inf")] * len(banned))
+            bias_off.append(len(bias_tok))
+            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                counts = dict.fromkeys(row.prompt_token_ids, 0)
+                for token in row.output_token_ids:
+                    counts[token] = counts.get(token, 0) + 1
+                pen_tok.extend(counts)
+                pen_cnt.extend(counts.values())
+            pen_off.append(len(pen_tok))
+        if padded > self.max_rows or len(bias_tok) > self.bias_tok.np.shape[0] or \
+                len(pen_tok) > self.pen_tok.np.shape[0]:
+            return pack_sampling_rows(rows, self.device), False
+
+        if n:
+            self.f32.np[:n] = f32
+            self.i64.np[:n] = i64
+        self.f32.np[n:padded] = 0.0
+        self.i64.np[n:padded] = 0
+        out: dict[str, torch.Tensor | None] = {"params_f32": self.f32.upload(padded),
+                                               "params_i64": self.i64.upload(padded)}
+        for name, off, lists, pairs in (("bias", bias_off, (bias_tok, bias_val), (self.bias_tok, self.bias_val)),
+                                        ("penalty", pen_off, (pen_tok, pen_cnt), (self.pen_tok, self.pen_cnt))):
+            offsets = self.bias_off if name == "bias" else self.pen_off
+            count = off[-1]
+            offsets.np[:n + 1] = off
+            offsets.np[n + 1:padded + 1] = count
+            second = "values" if name == "bias" else "counts"
+            if not count and not full_csr:
+                out[f"{name}_offsets"] = out[f"{name}_tokens"] = out[f"{name}_{second}"] = None
+                continue
+            out[f"{name}_offsets"] = offsets.upload(padded + 1)
+            for pair, values in zip(pairs, lists):
+                pair.np[:count] = values
+                pair.upload(count)
+            out[f"{name}_tokens"] = pairs[0].dev if full_csr else pairs[0].dev[:count]
+            out[f"{name}_{second}"] = pairs[1].dev if full_csr else pairs[1].dev[:count]
+        return out, True
+
+
+def logprob_matrix(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> torch.Tensor:
+    """Per row of fp32 logits [R, V]: [logprob of targets[r], its rank, num_top best logprobs, their
+    token ids] as one fp32 matrix [R, 2 + 2 * num_top] on the device (ids and ranks are exact in fp32
+    below 2^24, far above any vocabulary)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, targets.view(-1, 1).long())
+    rank = (lp > chosen).sum(dim=-1, keepdim=True).float() + 1.0
+    parts = [chosen, rank]
+    if num_top > 0:
+        values, ids = torch.topk(lp, min(num_top, lp.shape[-1]), dim=-1)
+        parts += [values, ids.float()]
+    return torch.cat(parts, dim=1)
+
+
+def step_logprobs_from_row(row: Seq[float], token_id: int, num_top: int) -> StepLogprobs:
+    """Unpack one row of `logprob_matrix` (as host floats) for a request that asked for num_top."""
+    width = (len(row) - 2) // 2
+    k = min(num_top, width)
+    top = [TokenLogprob(int(row[2 + width + j]), float(row[2 + j])) for j in range(k)]
+    return StepLogprobs(token_id=token_id, logprob=float(row[0]), rank=int(row[1]), top=top)
+
