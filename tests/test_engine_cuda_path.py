@@ -170,3 +170,13 @@ def test_enforce_eager_is_an_engine_argument():
     assert not engine_config_from_kwargs().enforce_eager
 
 
+
+
+def test_enforce_eager_flag_on_serve_and_generate():
+    from wllm.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--enforce-eager"]).enforce_eager
+    assert not parser.parse_args(["serve"]).enforce_eager
+    assert parser.parse_args(["generate", "hi", "--enforce-eager"]).enforce_eager
+    assert not parser.parse_args(["generate", "hi"]).enforce_eager

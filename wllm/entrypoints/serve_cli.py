@@ -83,6 +83,8 @@ def register(subparsers: Any) -> None:
                      help="most requests waiting to be scheduled; more get 503 (0: unbounded)")
     eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                      help="serve by arrival, or by the request's `priority` (lower first)")
+    eng.add_argument("--enforce-eager", action="store_true",
+                     help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse KV cache blocks of shared prompt prefixes")
 
@@ -168,6 +170,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         device=device,
         dtype=args.dtype,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
     engine = AsyncEngine(LLMEngine(loaded.model, tokenizer, config))
     engine.start()
