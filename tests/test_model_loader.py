@@ -159,6 +159,8 @@ def test_unknown_architecture_lists_supported(llama_dir: Path) -> None:
 
 def test_truncated_and_corrupt_safetensors(llama_dir: Path) -> None:
     weights = llama_dir / "model.safetensors"
+    # Compare with what already lives: models of earlier tests in this process may still exist.
+    before = _live_models()
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="model.safetensors"):
