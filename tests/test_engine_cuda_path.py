@@ -147,6 +147,12 @@ def test_sampling_buffers_pack_like_the_kernel_packer_and_greedy_matches_the_cpu
     assert torch.equal(tokens[: len(rows)], ours[0])
     assert torch.equal(tokens[len(rows):], padded[len(rows):].argmax(-1))
 
+    # A later step without entries zeroes the offsets the previous step left on the device.
+    plain, _ = buffers.pack([rows[0]], 4, full_csr=True)
+    assert not plain["bias_offsets"].any() and not plain["penalty_offsets"].any()
+    assert not buffers.bias_off.dev.any() and not buffers.pen_off.dev.any()
+    assert torch.equal(sample(padded[:4].clone(), **plain)[0], padded[:4].argmax(-1))
+
     # Over capacity: one-off tensors, flagged as not static (no graph replay for that step).
     small = SamplingBuffers(8, vocab, torch.device("cpu"), bias_capacity=2, penalty_capacity=32)
     packed, static = small.pack(rows)

@@ -64,6 +64,9 @@ class SamplingBuffers:
         self.pen_off = StagedBuffer((max_rows + 1,), torch.int32, device)
         self.pen_tok = StagedBuffer((penalty_capacity,), torch.int32, device)
         self.pen_cnt = StagedBuffer((penalty_capacity,), torch.int32, device)
+        # Whether a device offsets buffer may hold non-zero entries; while it is all zeros, steps
+        # without entries skip its upload (the common case: no bias, no penalties).
+        self._dirty = {"bias": False, "penalty": False}
 
     def static_kwargs(self, rows: int) -> dict[str, torch.Tensor]:
         """The kernel arguments over the persistent device buffers for `rows` rows, CSR lists at full
@@ -125,7 +128,7 @@ class SamplingBuffers:
         if n:
             self.f32.np[:n] = f32
             self.i64.np[:n] = i64
-        self.f32.np[n:padded] = 0.0
+        self.f32.np[n:padded] = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # greedy, no filters, neutral penalties
         self.i64.np[n:padded] = 0
         out: dict[str, torch.Tensor | None] = {"params_f32": self.f32.upload(padded),
                                                "params_i64": self.i64.upload(padded)}
@@ -133,16 +136,24 @@ class SamplingBuffers:
                                         ("penalty", pen_off, (pen_tok, pen_cnt), (self.pen_tok, self.pen_cnt))):
             offsets = self.bias_off if name == "bias" else self.pen_off
             count = off[-1]
-            offsets.np[:n + 1] = off
-            offsets.np[n + 1:padded + 1] = count
             second = "values" if name == "bias" else "counts"
-            if not count and not full_csr:
-                out[f"{name}_offsets"] = out[f"{name}_tokens"] = out[f"{name}_{second}"] = None
-                continue
-            out[f"{name}_offsets"] = offsets.upload(padded + 1)
-            for pair, values in zip(pairs, lists):
-                pair.np[:count] = values
-                pair.upload(count)
+            if not count:
+                if self._dirty[name]:
+                    offsets.np[:] = 0
+                    offsets.upload(offsets.np.shape[0])
+                    self._dirty[name] = False
+                if not full_csr:
+                    out[f"{name}_offsets"] = out[f"{name}_tokens"] = out[f"{name}_{second}"] = None
+                    continue
+                out[f"{name}_offsets"] = offsets.dev[:padded + 1]
+            else:
+                offsets.np[:n + 1] = off
+                offsets.np[n + 1:padded + 1] = count
+                out[f"{name}_offsets"] = offsets.upload(padded + 1)
+                self._dirty[name] = True
+                for pair, values in zip(pairs, lists):
+                    pair.np[:count] = values
+                    pair.upload(count)
             out[f"{name}_tokens"] = pairs[0].dev if full_csr else pairs[0].dev[:count]
             out[f"{name}_{second}"] = pairs[1].dev if full_csr else pairs[1].dev[:count]
         return out, True
