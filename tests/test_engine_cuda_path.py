@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_engine import GREEDY, assert_all_free, engine_for, make_prompts, reference, run_staggered, tiny
 
-from wllm.engine.cuda_graphs import graph_batch_sizes
+from wllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from wllm.engine.cuda_runner import CudaStepRunner
 from wllm.engine.gpu_sampler import SamplingBuffers
 from wllm.engine.sampler import Sampler, SamplingRow
@@ -24,6 +24,47 @@ def kernel_engine(model, **kwargs):
                                         max_num_seqs=kwargs.get("seqs", 256), max_model_len=engine.max_model_len,
                                         enforce_eager=True)
     return engine
+
+
+class ReplayedEagerly(DecodeGraphs):
+    """Stands in for CUDA graphs on the CPU: "capture" keeps the forward, "replay" runs it on the
+    padded persistent buffers, so the padding and static-buffer logic of graph steps is exercised."""
+
+    def capture(self, prepare, forward):
+        self._forward = forward
+        for b in reversed(self.sizes):
+            prepare(b)
+            self._graphs[b] = (None, forward(b))
+
+    def replay(self, size):
+        return self._forward(size)
+
+
+def graph_engine(model, **kwargs):
+    engine = kernel_engine(model, **kwargs)
+    runner = engine.runner.cuda_runner
+    runner.graphs = ReplayedEagerly(graph_batch_sizes(kwargs.get("seqs", 256)), runner.device)
+    with torch.inference_mode():
+        runner.graphs.capture(runner._prepare_padding, runner._graph_forward)
+    return engine
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_padded_graph_steps_match_hf_and_seeded_sampling_is_unchanged(name, tmp_path_factory):
+    torch.manual_seed(0)
+    model, hf = tiny(name, tmp_path_factory)
+    prompts = make_prompts(16)
+    engine = graph_engine(model, budget=7, seqs=12)  # graph sizes 1, 2, 4, 8, 16: every step is padded
+    outs = run_staggered(engine, prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference(name, hf, prompts)
+    runner = engine.runner.cuda_runner
+    assert runner.num_graph_steps > 0 and runner.num_eager_steps > 0
+    assert_all_free(engine)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=i, ignore_eos=True,
+                             logit_bias={7: 0.5} if i % 2 else None) for i in range(5)]
+    padded = graph_engine(model, seqs=8).generate(prompts[:5], params)
+    eager = kernel_engine(model, seqs=8).generate(prompts[:5], params)
+    assert [o.outputs[0].token_ids for o in padded] == [o.outputs[0].token_ids for o in eager]
 
 
 @pytest.mark.parametrize(("name", "budget", "caching"), [("llama", 5, True), ("llama", 2048, False),
