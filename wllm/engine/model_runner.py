@@ -127,12 +127,14 @@ class ModelRunner:
         scratch = allocate_kv_cache(self.num_layers, scratch_blocks, bs, self.num_kv_heads, self.head_dim,
                                     self.dtype, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
+        # Positions wrap at max_model_len: the rotary table has no rows past it; memory is the same.
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
         # Sampling rows of a step: up to one per running sequence.
         num_rows = max(1, min(num_tokens, self.max_num_seqs))
         if self.use_cuda_kernels:
             i32 = {"dtype": torch.int32, "device": self.device}
-            ctx = CudaAttentionContext(layer_caches(scratch), positions, torch.arange(scratch_blocks, **i32)[None],
+            slots = torch.arange(num_tokens, device=self.device)
+            ctx = CudaAttentionContext(layer_caches(scratch), slots, torch.arange(scratch_blocks, **i32)[None],
                                        torch.tensor([num_tokens], **i32), torch.tensor([0, num_tokens], **i32),
                                        decode=False, max_seq_len=num_tokens)
             hidden = self.model(ids, positions, ctx)
@@ -142,10 +144,10 @@ class ModelRunner:
         else:
             ctx = PagedAttentionContext(scratch, [list(range(scratch_blocks))], [0], [num_tokens])
             hidden = self.model(ids, positions, ctx)
-            self.model.compute_logits(hidden[-num_rows:])
+            logits = self.model.compute_logits(hidden[-num_rows:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.numel() * scratch.element_size()
-        del scratch, ctx, hidden
+        del scratch, ctx, hidden, logits
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         free_now, _ = torch.cuda.mem_get_info(self.device)
