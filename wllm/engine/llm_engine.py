@@ -81,6 +81,7 @@ class LLMEngine:
         build an engine. `engine_args` are EngineConfig fields (block_size, max_num_seqs, device,
         dtype, ...); device "auto" picks CUDA when available."""
         from wllm.model.loader import load_model
+        from wllm.model.tokenizer.synthetic import synthetic_tokenizer
         from wllm.model.tokenizer.tokenizer import Tokenizer
 
         config = engine_config_from_kwargs(**engine_args)
@@ -90,7 +91,12 @@ class LLMEngine:
         loaded = load_model(model, dtype=config.dtype, device=device, load_format=load_format,
                             revision=revision)
         tok_source = tokenizer or loaded.tokenizer_path
-        tok = Tokenizer.from_path(tok_source) if tok_source is not None else None
+        if tok_source is not None:
+            tok = Tokenizer.from_path(tok_source)
+        elif load_format == "dummy":
+            tok = synthetic_tokenizer(loaded.config.vocab_size)
+        else:
+            tok = None
         eos: set[int] = set(getattr(tok, "eos_token_ids", ()) or ())
         gen_eos = loaded.generation_config.get("eos_token_id")
         if gen_eos is not None:

@@ -60,7 +60,8 @@ def register(subparsers: Any) -> None:
                        help="how to read MODEL; dummy = random weights in MODEL's shape (benchmarks)")
     model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a hub id")
     model.add_argument("--tokenizer", default=None,
-                       help="tokenizer folder or GGUF file, when it is not MODEL's own (needed for dummy shapes)")
+                       help="tokenizer folder or GGUF file, when it is not MODEL's own "
+                            "(dummy shapes default to a synthetic byte-level one)")
     model.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                        help="name clients use in `model` (repeatable; the first is reported in responses)")
     model.add_argument("--chat-template", default=None,
@@ -150,6 +151,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     from wllm.engine.llm_engine import LLMEngine
     from wllm.model.default_model import default_model_path
     from wllm.model.loader import load_model
+    from wllm.model.tokenizer.synthetic import synthetic_tokenizer
     from wllm.model.tokenizer.tokenizer import Tokenizer
 
     source = args.model if args.model is not None else str(default_model_path())
@@ -157,9 +159,13 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     loaded = load_model(source, dtype=args.dtype, device=device, load_format=args.load_format,
                         revision=args.revision)
     tokenizer_source = args.tokenizer or loaded.tokenizer_path
-    if tokenizer_source is None:
+    if tokenizer_source is not None:
+        tokenizer = Tokenizer.from_path(tokenizer_source)
+    elif args.load_format == "dummy":
+        # Random weights need no real vocabulary: a byte-level one of the model's size will do.
+        tokenizer = synthetic_tokenizer(loaded.config.vocab_size)
+    else:
         raise ValueError(f"{source} has no tokenizer files; pass --tokenizer <folder or .gguf>")
-    tokenizer = Tokenizer.from_path(tokenizer_source)
     config = EngineConfig(
         cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,
