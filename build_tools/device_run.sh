@@ -32,11 +32,11 @@ done
 summary=()
 python3 -m wllm doctor 2>&1 | tee "$out/doctor.txt"
 summary+=("doctor: exit ${PIPESTATUS[0]}")
-python3 -m pytest -m cuda -q -p no:cacheprovider "${pytest_args[@]}" 2>&1 | tee "$out/pytest_cuda.txt"
+python3 -m pytest -m cuda -p no:cacheprovider "${pytest_args[@]}" 2>&1 | tee "$out/pytest_cuda.txt"
 rc=${PIPESTATUS[0]}
 summary+=("pytest -m cuda: exit $rc, $(tail -n 1 "$out/pytest_cuda.txt")")
 for b in "${benches[@]}"; do
-  python3 "benchmarks/$b.py" 2>&1 | tee "$out/bench_$b.txt"
+  timeout "${BENCH_TIMEOUT:-900}" python3 "benchmarks/$b.py" 2>&1 | tee "$out/bench_$b.txt"
   summary+=("bench $b: exit ${PIPESTATUS[0]}")
 done
 echo
