@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 
 from wllm.model.loader.dequant import (
     SUPPORTED_TYPES,
@@ -36,6 +36,7 @@ from wllm.model.loader.dequant import (
 )
 from wllm.model.loader.errors import ModelLoadError
 from wllm.model.loader.gguf_config import CONFIG_TENSORS, build_hf_config, supported_architectures
+from wllm.model.loader.gguf_file import GGUFFormatError, GGUFHeader, GGUFTensorEntry, read_gguf_header
 from wllm.model.loader.quantized import QuantizedTensor
 
 __all__ = ["GGUFModel", "GGUFTensorInfo", "find_gguf_parts", "load_gguf"]
@@ -45,7 +46,6 @@ Weight = torch.Tensor | QuantizedTensor
 _SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})(?P<ext>\.gguf)$", re.IGNORECASE)
 _BLOCK_RE = re.compile(r"^blk\.(?P<bid>\d+)\.(?P<base>[a-z0-9_]+)\.(?P<kind>weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(?P<base>[a-z0-9_]+)\.(?P<kind>weight|bias)$")
-_MIN_GGUF_BYTES = 24  # magic, version, tensor count, kv count
 
 _DECODER_GLOBALS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _DECODER_BLOCK = {
@@ -176,41 +176,44 @@ def _corrupt(path: Path, why: str) -> ModelLoadError:
     )
 
 
-def _open_reader(path: Path) -> GGUFReader:
+def _open_part(path: Path) -> tuple[GGUFHeader, np.memmap]:
+    """Parse a part's header (cached per process) and memory-map it copy-on-write."""
     try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            head = f.read(4)
+        header = read_gguf_header(path)
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF file: {exc}") from exc
-    if head != b"GGUF":
-        raise _corrupt(path, f"not a GGUF file (starts with {head!r}, expected b'GGUF')")
-    if size < _MIN_GGUF_BYTES:
-        raise _corrupt(path, f"truncated GGUF file ({size} bytes, shorter than a GGUF header)")
-    try:
-        # Copy-on-write: tensors built on the map are writable, and writes never reach the file.
-        reader = GGUFReader(path, "c")
-    except ValueError as exc:
-        if "GGMLQuantizationType" in str(exc):
-            raise _corrupt(path, f"uses an unknown GGML tensor type ({exc})") from exc
-        if "version" in str(exc):
-            raise _corrupt(path, f"unsupported GGUF version ({exc})") from exc
-        raise _corrupt(path, f"truncated or corrupt GGUF file ({exc})") from exc
-    except (IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as exc:
-        raise _corrupt(path, f"truncated or corrupt GGUF file ({type(exc).__name__}: {exc})") from exc
-    for t in reader.tensors:
-        end = t.data_offset + t.n_bytes
+    except GGUFFormatError as exc:
+        raise _corrupt(path, str(exc)) from exc
+    size = header.file_size
+    for t in header.tensors:
+        end = t.offset + t.n_bytes
         if end > size:
             raise _corrupt(path, f"truncated GGUF file: tensor {t.name} ends at byte {end}, file has {size}")
-    return reader
+    try:
+        # Copy-on-write: tensors built on the map are writable, and writes never reach the file.
+        data = np.memmap(path, dtype=np.uint8, mode="c")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot map GGUF file: {exc}") from exc
+    return header, data
 
 
-def _field_value(field: Any) -> Any:
-    value = field.contents()
-    if field.types == [GGUFValueType.FLOAT32]:
+def _field_value(header: GGUFHeader, key: str) -> Any:
+    vtype = header.fields[key][0]
+    value = header.value(key)
+    if vtype == GGUFValueType.FLOAT32:
         # Shortest decimal that round-trips the float32 (1e-05, not 9.999999747378752e-06).
         value = float(str(np.float32(value)))
+    elif vtype == GGUFValueType.ARRAY and value and isinstance(value[0], list):
+        # Nested arrays flattened, as gguf.GGUFReader's contents() returns them.
+        value = _flatten(value)
     return value
+
+
+def _flatten(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        out.extend(_flatten(v) if isinstance(v, list) else [v])
+    return out
 
 
 class GGUFModel:
@@ -222,11 +225,11 @@ class GGUFModel:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.paths: list[Path] = find_gguf_parts(path)
         self.path: Path = self.paths[0]
-        self._readers: list[GGUFReader] = [_open_reader(p) for p in self.paths]
-        first = self._readers[0]
-        self.metadata: dict[str, Any] = {
-            k: _field_value(f) for k, f in first.fields.items() if not k.startswith("GGUF.")
-        }
+        opened = [_open_part(p) for p in self.paths]
+        self._headers: list[GGUFHeader] = [h for h, _ in opened]
+        self._maps: list[np.memmap] = [m for _, m in opened]
+        first = self._headers[0]
+        self.metadata: dict[str, Any] = {k: _field_value(first, k) for k in first.fields}
         self._check_split()
         self.architecture: str = str(self.metadata.get("general.architecture", ""))
         if self.architecture not in _NAME_MAPS:
@@ -235,9 +238,9 @@ class GGUFModel:
                 f"supported: {supported_architectures()}"
             )
         self.tensors: dict[str, GGUFTensorInfo] = {}
-        for part, reader in zip(self.paths, self._readers):
-            for t in reader.tensors:
-                self._add_tensor(part, t)
+        for part, header, data in zip(self.paths, self._headers, self._maps):
+            for t in header.tensors:
+                self._add_tensor(part, t, data)
         shapes = {name: info.shape for name, info in self.tensors.items()}
         self.hf_config: dict[str, Any] = build_hf_config(
             str(self.path), self.metadata, shapes, lambda n: self._read(self.tensors[n], torch.float32, None)
@@ -257,31 +260,28 @@ class GGUFModel:
                 )
             raise ModelLoadError(f"{self.path}: file names say {count} parts but split.count is {declared}")
         total = 0
-        for i, (p, r) in enumerate(zip(self.paths, self._readers)):
-            no = r.fields.get("split.no")
-            if count > 1 and (no is None or int(no.contents()) != i):
-                raise ModelLoadError(
-                    f"{p}: expected split.no = {i} in part {i + 1} of {count}, found "
-                    f"{None if no is None else no.contents()}"
-                )
-            total += len(r.tensors)
+        for i, (p, h) in enumerate(zip(self.paths, self._headers)):
+            no = h.value("split.no")
+            if count > 1 and (no is None or int(no) != i):
+                raise ModelLoadError(f"{p}: expected split.no = {i} in part {i + 1} of {count}, found {no}")
+            total += len(h.tensors)
         declared_tensors = self.metadata.get("split.tensors.count")
         if count > 1 and declared_tensors is not None and int(declared_tensors) != total:
             raise ModelLoadError(
                 f"{self.path}: split GGUF declares {declared_tensors} tensors but its {count} parts hold {total}"
             )
 
-    def _add_tensor(self, part: Path, t: Any) -> None:
+    def _add_tensor(self, part: Path, t: GGUFTensorEntry, data: np.memmap) -> None:
         if t.name in self.tensors:
             raise ModelLoadError(f"{part}: tensor {t.name} appears in more than one part")
-        if t.tensor_type not in SUPPORTED_TYPES:
+        if t.ggml_type not in SUPPORTED_TYPES:
             raise ModelLoadError(
-                f"{part}: tensor {t.name} has GGML type {t.tensor_type.name}, which wLLM cannot dequantize; "
+                f"{part}: tensor {t.name} has GGML type {t.ggml_type.name}, which wLLM cannot dequantize; "
                 f"supported types: {supported_type_names()}"
             )
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-        self.tensors[t.name] = GGUFTensorInfo(t.name, t.tensor_type, shape, part, raw)
+        shape = tuple(reversed(t.dims))
+        raw = np.asarray(data[t.offset : t.offset + t.n_bytes])
+        self.tensors[t.name] = GGUFTensorInfo(t.name, t.ggml_type, shape, part, raw)
 
     def _hf_name(self, name: str) -> str | None:
         globals_, block, prefix = _NAME_MAPS[self.architecture]
@@ -302,7 +302,8 @@ class GGUFModel:
 
     def close(self) -> None:
         """Drop the file maps (tensors already handed out keep their own reference)."""
-        self._readers.clear()
+        self._headers.clear()
+        self._maps.clear()
         self.tensors.clear()
         self._hf_names.clear()
 
