@@ -1,8 +1,9 @@
 """Rebuild a `tokenizers.Tokenizer` from the vocabulary a GGUF file embeds.
 
 A GGUF carries no tokenizer.json: llama.cpp's converter stores the vocabulary, merges, scores,
-token types and special ids as `tokenizer.ggml.*` metadata. This module reads those keys with
-`gguf.GGUFReader` and builds the equivalent fast tokenizer:
+token types and special ids as `tokenizer.ggml.*` metadata. This module reads those keys (with
+the loader's cached header parser, `wllm.model.loader.gguf_file`) and builds the equivalent
+fast tokenizer:
 
 - `tokenizer.ggml.model == "gpt2"`: byte-level BPE; the split regex comes from
   `tokenizer.ggml.pre` (see `PRE_TOKENIZER_SPLITS`). An unknown `pre` falls back to the GPT-2
@@ -17,7 +18,7 @@ token types and special ids as `tokenizer.ggml.*` metadata. This module reads th
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -26,6 +27,8 @@ from typing import Any
 import gguf
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
+
+from wllm.model.loader.gguf_file import GGUFFormatError, GGUFHeader, read_gguf_header
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +170,16 @@ def _field_value(reader: gguf.GGUFReader, key: str) -> Any:
     return scalar(f.parts[f.data[0]], main)
 
 
+def _header_value(header: GGUFHeader, key: str) -> Any:
+    """Like `_field_value`, from a parsed header (nested arrays are not used by tokenizer keys)."""
+    entry = header.fields.get(key)
+    if entry is None:
+        return None
+    if entry[0] == gguf.GGUFValueType.ARRAY and entry[2] and isinstance(entry[2][0], tuple):
+        return None
+    return header.value(key)
+
+
 def open_gguf(path_or_reader: str | PathLike[str] | gguf.GGUFReader) -> gguf.GGUFReader:
     """A `GGUFReader` for a path (or the reader itself), with a clear error for bad files."""
     if isinstance(path_or_reader, gguf.GGUFReader):
@@ -181,13 +194,27 @@ def open_gguf(path_or_reader: str | PathLike[str] | gguf.GGUFReader) -> gguf.GGU
 
 
 def read_gguf_vocab(path_or_reader: str | PathLike[str] | gguf.GGUFReader) -> GGUFVocab:
-    """Read the `tokenizer.ggml.*` keys of a GGUF file."""
-    reader = open_gguf(path_or_reader)
+    """Read the `tokenizer.ggml.*` keys of a GGUF file.
+
+    A path is parsed with the loader's fast header reader, whose per-process cache the model
+    loader shares (so loading a GGUF model and its tokenizer parses the file once); a
+    `GGUFReader` the caller already has is read through its fields.
+    """
     if isinstance(path_or_reader, gguf.GGUFReader):
+        reader = path_or_reader
         source = str(getattr(reader.data, "filename", None) or "<GGUFReader>")
+        value: Callable[[str], Any] = lambda key: _field_value(reader, key)  # noqa: E731
     else:
+        path = Path(path_or_reader)
         source = str(path_or_reader)
-    get = lambda key: _field_value(reader, f"tokenizer.ggml.{key}")  # noqa: E731
+        if not path.is_file():
+            raise GGUFTokenizerError(f"GGUF file not found: {path}")
+        try:
+            header = read_gguf_header(path)
+        except (OSError, GGUFFormatError) as e:
+            raise GGUFTokenizerError(f"{path} is not a readable GGUF file: {e}") from e
+        value = lambda key: _header_value(header, key)  # noqa: E731
+    get = lambda key: value(f"tokenizer.ggml.{key}")  # noqa: E731
     model = get("model")
     tokens = get("tokens")
     if model is None or tokens is None:
@@ -204,10 +231,10 @@ def read_gguf_vocab(path_or_reader: str | PathLike[str] | gguf.GGUFReader) -> GG
     add_bos = get("add_bos_token")
     add_eos = get("add_eos_token")
     add_space_prefix = get("add_space_prefix")
-    template: str | dict[str, str] | None = _field_value(reader, "tokenizer.chat_template")
-    names = _field_value(reader, "tokenizer.chat_templates")
+    template: str | dict[str, str] | None = value("tokenizer.chat_template")
+    names = value("tokenizer.chat_templates")
     if names:
-        named = {n: _field_value(reader, f"tokenizer.chat_template.{n}") for n in names}
+        named = {n: value(f"tokenizer.chat_template.{n}") for n in names}
         named = {n: t for n, t in named.items() if isinstance(t, str)}
         if template is not None:
             named["default"] = template
@@ -233,7 +260,7 @@ def read_gguf_vocab(path_or_reader: str | PathLike[str] | gguf.GGUFReader) -> GG
         add_eos=(model == "bert") if add_eos is None else bool(add_eos),
         add_space_prefix=(model == "llama") if add_space_prefix is None else bool(add_space_prefix),
         chat_template=template,
-        architecture=_field_value(reader, "general.architecture"),
+        architecture=value("general.architecture"),
     )
 
 

@@ -7,6 +7,7 @@ file (the embedded vocabulary, rebuilt by `gguf_vocab`). transformers is never i
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from os import PathLike
 from pathlib import Path
@@ -17,7 +18,7 @@ from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from wllm.model.tokenizer.chat_template import ChatTemplateError, render_chat_template
-from wllm.model.tokenizer.gguf_vocab import build_gguf_tokenizer, open_gguf, read_gguf_vocab
+from wllm.model.tokenizer.gguf_vocab import build_gguf_tokenizer, read_gguf_vocab
 
 ChatTemplate = str | dict[str, str]
 
@@ -247,7 +248,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path_or_reader: str | PathLike[str] | gguf.GGUFReader) -> Tokenizer:
         """Rebuild the tokenizer embedded in a GGUF file (see `gguf_vocab` for what is supported)."""
-        vocab = read_gguf_vocab(open_gguf(path_or_reader))
+        vocab = read_gguf_vocab(path_or_reader)
         backend = build_gguf_tokenizer(vocab)
         bos_id, eos_id = vocab.bos_id, vocab.eos_id
         if vocab.model == "bert":
@@ -265,7 +266,8 @@ class Tokenizer:
             add_bos_token=vocab.add_bos,
             add_eos_token=vocab.add_eos,
             chat_template=vocab.chat_template,
-            source=vocab.source,
+            # A path is named absolute, as it was when this went through a GGUFReader's memmap.
+            source=vocab.source if isinstance(path_or_reader, gguf.GGUFReader) else os.path.abspath(path_or_reader),
         )
 
     # ----------------------------------------------------------------- properties
