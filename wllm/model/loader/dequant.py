@@ -23,14 +23,22 @@ from wllm.model.loader.errors import UnsupportedQuantTypeError
 
 GGMLType = GGMLQuantizationType
 
-# Blocks dequantized per vectorised step: bounds the temporaries to a few hundred MB even for a
-# 128k-vocab embedding, while still being one big tensor op per step.
-_CHUNK_BLOCKS = 1 << 16
+# Blocks (of 32 values; a 256-value K-quant block counts as 8) dequantized per step. Each step
+# writes its float32 values in place into a slice of the output, so ~2 MB of output plus small
+# uint8 temporaries stay in the CPU cache across the few ops a type needs; bigger steps only
+# add cache misses, smaller ones add per-op overhead.
+_CHUNK_BLOCKS = 1 << 14
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The little-endian fp16 field at byte `start` of every block, as float32 [n, 1]."""
     return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _f16_pair(blocks: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two consecutive fp16 fields (d, m) at byte `start`, as float32 [n, 1] each."""
+    dm = blocks[:, start : start + 4].contiguous().view(torch.float16).to(torch.float32)
+    return dm[:, 0:1], dm[:, 1:2]
 
 
 def _shifts(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
@@ -43,6 +51,13 @@ def _unpack(x: torch.Tensor, shifts: Sequence[int], mask: int) -> torch.Tensor:
     return (x.unsqueeze(-2) >> s) & mask
 
 
+def _nibbles_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """Write the low nibbles of bytes `x` [n, ..., k] to out[..., 0, :] and the high ones to
+    out[..., 1, :] (out: float32 [n, ..., 2, k]); the uint8 -> float32 conversion is exact."""
+    out.select(-2, 0).copy_(x & 0x0F)
+    out.select(-2, 1).copy_(x >> 4)
+
+
 def _nibbles(x: torch.Tensor) -> torch.Tensor:
     """[n, ..., k] bytes -> [n, ..., 2, k]: low nibbles first, then high nibbles."""
     return _unpack(x, (0, 4), 0x0F)
@@ -53,18 +68,23 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return _unpack(x, range(8), 0x01)
 
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
-    d = _f16(b, 0)
-    q = _nibbles(b[:, 2:18]).reshape(n, 32).to(torch.int8) - 8
-    return d * q.to(torch.float32)
+# Each block function writes the float32 values of blocks `b` (uint8 [n, bytes per block]) into
+# `out` (float32 [n, values per block]), in place. The float operations and their order are
+# those of gguf.quants (scale products first, then `d * q` and `- m` / `+ m`, each rounded on
+# its own), which is what keeps the results bit-exact; integers are exact in float32.
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
+def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
     n = b.shape[0]
-    d, m = _f16(b, 0), _f16(b, 2)
-    q = _nibbles(b[:, 4:20]).reshape(n, 32).to(torch.float32)
-    return d * q + m
+    _nibbles_into(b[:, 2:18], out.view(n, 2, 16))
+    out.sub_(8.0).mul_(_f16(b, 0))
+
+
+def _q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
+    n = b.shape[0]
+    d, m = _f16_pair(b, 0)
+    _nibbles_into(b[:, 4:20], out.view(n, 2, 16))
+    out.mul_(d).add_(m)
 
 
 def _q5_high(qh: torch.Tensor) -> torch.Tensor:
@@ -73,44 +93,42 @@ def _q5_high(qh: torch.Tensor) -> torch.Tensor:
     return _bits(qh).transpose(-1, -2).reshape(qh.shape[0], 32)
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
+def _q5_values(b: torch.Tensor, qh_at: int, qs_at: int) -> torch.Tensor:
     n = b.shape[0]
-    d = _f16(b, 0)
-    qh = _q5_high(b[:, 2:6])
-    ql = _nibbles(b[:, 6:22]).reshape(n, 32)
-    q = (ql | (qh << 4)).to(torch.int8) - 16
-    return d * q.to(torch.float32)
+    ql = _nibbles(b[:, qs_at : qs_at + 16]).reshape(n, 32)
+    return ql | (_q5_high(b[:, qh_at : qh_at + 4]) << 4)
 
 
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
-    d, m = _f16(b, 0), _f16(b, 2)
-    qh = _q5_high(b[:, 4:8])
-    ql = _nibbles(b[:, 8:24]).reshape(n, 32)
-    q = (ql | (qh << 4)).to(torch.float32)
-    return d * q + m
+def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_q5_values(b, 2, 6))
+    out.sub_(16.0).mul_(_f16(b, 0))
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b, 0)
-    x = b[:, 2:34].contiguous().view(torch.int8).to(torch.float32)
-    return x * d
+def _q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
+    d, m = _f16_pair(b, 0)
+    out.copy_(_q5_values(b, 4, 8))
+    out.mul_(d).add_(m)
 
 
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
+def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(b[:, 2:34].view(torch.int8))
+    out.mul_(_f16(b, 0))
+
+
+def _q2_k(b: torch.Tensor, out: torch.Tensor) -> None:
     # scales[16] | qs[64] | d | dmin
     n = b.shape[0]
     scales = b[:, 0:16]
-    d, dmin = _f16(b, 80), _f16(b, 82)
+    d, dmin = _f16_pair(b, 80)
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
     # Each 32-byte half holds 4 groups of 2-bit values (shifts 0, 2, 4, 6) of 32 values each.
-    q = _unpack(b[:, 16:80].reshape(n, 2, 32), (0, 2, 4, 6), 0x03)
-    q = q.reshape(n, 16, 16).to(torch.float32)
-    return (dl * q - ml).reshape(n, 256)
+    o = out.view(n, 16, 16)
+    o.copy_(_unpack(b[:, 16:80].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16))
+    o.mul_(dl).sub_(ml)
 
 
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
+def _q3_k(b: torch.Tensor, out: torch.Tensor) -> None:
     # hmask[32] | qs[64] | scales[12] | d
     n = b.shape[0]
     hmask, qs, scales = b[:, 0:32], b[:, 32:96], b[:, 96:108]
@@ -123,8 +141,9 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     ql = _unpack(qs.reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16)
     qh = _bits(hmask).reshape(n, 16, 16)
     # A set hmask bit means "no -4 offset".
-    q = (ql.to(torch.int8) - ((qh ^ 1) << 2).to(torch.int8)).to(torch.float32)
-    return (dl * q).reshape(n, 256)
+    o = out.view(n, 16, 16)
+    o.copy_(ql.view(torch.int8) - ((qh ^ 1) << 2).view(torch.int8))
+    o.mul_(dl)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,43 +156,48 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: per-32-value scale `d * sc` and min `dmin * mn`, as float32 [n, 8, 1]."""
+    n = b.shape[0]
+    d, dmin = _f16_pair(b, 0)
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return (d * sc.to(torch.float32)).reshape(n, 8, 1), (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+
+
+def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
     # d | dmin | scales[12] | qs[128]
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _k_scale_min(b[:, 4:16])
-    dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
-    q = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32).to(torch.float32)
-    return (dl * q - ml).reshape(n, 256)
+    dl, ml = _k_scales(b)
+    # 4 groups of 32 bytes: low nibbles are values 64g..64g+31, high nibbles the next 32.
+    _nibbles_into(b[:, 16:144].reshape(n, 4, 32), out.view(n, 4, 2, 32))
+    o = out.view(n, 8, 32)
+    o.mul_(dl).sub_(ml)
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
+def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
     # d | dmin | scales[12] | qh[32] | qs[128]
     n = b.shape[0]
-    d, dmin = _f16(b, 0), _f16(b, 2)
-    sc, mn = _k_scale_min(b[:, 4:16])
-    dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
-    ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
+    dl, ml = _k_scales(b)
     ql = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)
     qh = _bits(b[:, 16:48]).reshape(n, 8, 32)
-    q = (ql | (qh << 4)).to(torch.float32)
-    return (dl * q - ml).reshape(n, 256)
+    o = out.view(n, 8, 32)
+    o.copy_(ql | (qh << 4))
+    o.mul_(dl).sub_(ml)
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     # ql[128] | qh[64] | scales[16] (int8) | d
     n = b.shape[0]
-    sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    d = _f16(b, 208)
-    dl = (d * sc).reshape(n, 16, 1)
+    sc = b[:, 192:208].view(torch.int8).to(torch.float32)
+    dl = (_f16(b, 208) * sc).reshape(n, 16, 1)
     ql = _nibbles(b[:, 0:128].reshape(n, 2, 64)).reshape(n, 8, 32)
     qh = _unpack(b[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
-    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
-    return (dl * q).reshape(n, 256)
+    o = out.view(n, 16, 16)
+    o.copy_(((ql | (qh << 4)).view(torch.int8) - 32).view(n, 16, 16))
+    o.mul_(dl)
 
 
-_BLOCK_DEQUANT: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
+_BLOCK_DEQUANT: dict[GGMLType, Callable[[torch.Tensor, torch.Tensor], None]] = {
     GGMLType.Q4_0: _q4_0,
     GGMLType.Q4_1: _q4_1,
     GGMLType.Q5_0: _q5_0,
@@ -242,13 +266,23 @@ def byte_shape(shape: Sequence[int], t: int | GGMLType) -> tuple[int, ...]:
     return (*shape[:-1], shape[-1] // block * nbytes)
 
 
-def dequantize(data: torch.Tensor, t: int | GGMLType, shape: Sequence[int]) -> torch.Tensor:
-    """Dequantize raw GGUF bytes to a new float32 tensor of the logical `shape` on `data`'s device.
+def dequantize(
+    data: torch.Tensor,
+    t: int | GGMLType,
+    shape: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize raw GGUF bytes to a tensor of the logical `shape` on `data`'s device.
 
     `data` is a uint8 tensor holding exactly the tensor's blocks in file order (any shape; it is
     flattened). `shape` is in PyTorch/HF order (row-major, last dimension contiguous), i.e. the
-    reverse of the GGUF `ne` order. Raises UnsupportedQuantTypeError for types not in
-    SUPPORTED_TYPES and ValueError when the byte count does not match the shape.
+    reverse of the GGUF `ne` order. Values are always computed in float32 (bit-exact against
+    gguf.quants) and then cast to `dtype`, one chunk at a time, so a float16/bfloat16 result
+    never needs a whole float32 copy. `out`, if given, is a contiguous tensor of `shape` (any
+    floating dtype, `data`'s device) that receives the values and is returned; `dtype` is then
+    ignored. Raises UnsupportedQuantTypeError for types not in SUPPORTED_TYPES and ValueError
+    when the byte count does not match the shape.
     """
     gt = ggml_type(t)
     shape = tuple(int(s) for s in shape)
@@ -259,18 +293,39 @@ def dequantize(data: torch.Tensor, t: int | GGMLType, shape: Sequence[int]) -> t
         raise ValueError(
             f"{gt.name} tensor of shape {shape} needs {expected} bytes, got {data.numel()}"
         )
+    if out is not None:
+        if tuple(out.shape) != shape or not out.is_contiguous() or not out.is_floating_point():
+            raise ValueError(
+                f"out must be a contiguous floating tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}"
+            )
+        if out.device != data.device:
+            raise ValueError(f"out is on {out.device} but the bytes are on {data.device}")
+        dtype = out.dtype
     flat = data.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if gt in _FLOAT_DTYPES:
-        # clone: the result must never alias the (possibly memory-mapped, read-only) source bytes.
-        return flat.view(_FLOAT_DTYPES[gt]).to(torch.float32, copy=True).reshape(shape)
+        # A copy: the result must never alias the (possibly memory-mapped, read-only) source bytes.
+        values = flat.view(_FLOAT_DTYPES[gt]).to(torch.float32, copy=True).reshape(shape)
+        if out is not None:
+            return out.copy_(values)
+        return values if dtype == torch.float32 else values.to(dtype)
     block, nbytes = GGML_QUANT_SIZES[gt]
     fn = _BLOCK_DEQUANT[gt]
     blocks = flat.view(-1, nbytes)
     n = blocks.shape[0]
-    out = torch.empty(n * block, dtype=torch.float32, device=data.device)
-    for start in range(0, n, _CHUNK_BLOCKS):
-        stop = min(start + _CHUNK_BLOCKS, n)
-        out[start * block : stop * block] = fn(blocks[start:stop]).reshape(-1)
-    return out.reshape(shape)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=data.device)
+    dst = out.view(n, block)
+    step = max(1, _CHUNK_BLOCKS * 32 // block)
+    # Another dtype: each chunk goes through a float32 scratch buffer, then is cast into place.
+    scratch = None if dtype == torch.float32 else torch.empty(min(n, step), block, device=data.device)
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        if scratch is None:
+            fn(blocks[start:stop], dst[start:stop])
+        else:
+            tmp = scratch[: stop - start]
+            fn(blocks[start:stop], tmp)
+            dst[start:stop].copy_(tmp)
+    return out

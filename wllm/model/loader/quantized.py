@@ -65,17 +65,23 @@ class QuantizedTensor:
         return prod(self.shape)
 
     def dequantize(
-        self, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+        self,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Dequantize to a new tensor of the logical shape.
+        """Dequantize to a new tensor of the logical shape (or into `out`).
 
         The values are computed in float32 (bit-exact against gguf.quants) on `device` (default:
-        where the bytes are; moving the bytes first is cheaper than moving float32 values), then
-        cast to `dtype`.
+        where the bytes are, or `out`'s device; moving the bytes first is cheaper than moving
+        float32 values), then cast to `dtype`, chunk by chunk. `out`: a contiguous tensor of the
+        logical shape, any floating dtype, that receives the values (saves an allocation and a
+        copy when filling a parameter); `dtype` is then ignored.
         """
+        if out is not None and device is None:
+            device = out.device
         data = self.data if device is None else self.data.to(device)
-        out = dequantize(data, self.ggml_type, self.shape)
-        return out if dtype == torch.float32 else out.to(dtype)
+        return dequantize(data, self.ggml_type, self.shape, dtype=dtype, out=out)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> QuantizedTensor:
         """A copy with the raw bytes on `device` (self if they already are there)."""
