@@ -50,14 +50,16 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     lower priority value is served first.
     """
 
-    max_num_batched_tokens: int = 2048
+    # None: 8192 when the model is on CUDA (bigger prefill chunks keep the GPU's matmul units
+    # busy), 2048 elsewhere; the engine resolves it at construction (see `default_batched_tokens`).
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     max_waiting: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
     max_model_len: int | None = None
 
     def validate(self) -> None:
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
@@ -65,6 +67,11 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"max_waiting must be non-negative, got {self.max_waiting}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+def default_batched_tokens(device_type: str) -> int:
+    """The step token budget used when `max_num_batched_tokens` is not set, by device type."""
+    return 8192 if device_type == "cuda" else 2048
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):

@@ -13,11 +13,12 @@ import time
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 
-from wllm.engine.config import EngineConfig, engine_config_from_kwargs
-from wllm.engine.model_runner import ModelRunner
+from wllm.engine.config import EngineConfig, default_batched_tokens, engine_config_from_kwargs
+from wllm.engine.model_runner import ModelRunner, model_device
 from wllm.engine.request import RequestGroup, Sequence
 from wllm.engine.scheduler import Scheduler
 from wllm.engine.stop_checker import TextState
@@ -56,6 +57,11 @@ class LLMEngine:
 
             dtype = parse_dtype(self.config.dtype)
         sched = self.config.scheduler
+        if sched.max_num_batched_tokens is None:
+            # Resolved on a copy: the caller's config object may serve engines on other devices.
+            sched = msgspec.structs.replace(
+                sched, max_num_batched_tokens=default_batched_tokens(model_device(model).type))
+            self.config = msgspec.structs.replace(self.config, scheduler=sched)
         max_len = sched.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         self.runner = ModelRunner(model, self.config.cache, sched.max_num_batched_tokens, dtype,
                                   max_num_seqs=sched.max_num_seqs, max_model_len=max_len,
