@@ -27,37 +27,103 @@ from wllm.kernels import decode_workspace_size, sample
 logger = logging.getLogger(__name__)
 
 
-class StepInputs:
-    """Persistent staged buffers for a step of up to `max_tokens` tokens (and as many sequences)."""
+_NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
-    def __init__(self, max_tokens: int, max_blocks: int, device: torch.device) -> None:
+
+class StageLayout:
+    """A step's input arrays laid out back to back in a `PackedStage`: numpy views of the pinned
+    host bytes to write, device views of the same offsets to read, and the one copy between them."""
+
+    def __init__(self, stage: PackedStage, fields: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]) -> None:
+        self.np: dict[str, np.ndarray] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        off = 0
+        total = stage.host_np.shape[0]
+        for name, dtype, shape in fields:
+            if off + int(np.prod(shape)) * dtype.itemsize > total:
+                raise RuntimeError(f"a step with {name} of shape {shape} does not fit the runner's staging "
+                                   f"buffer of {total} bytes")
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            self.np[name] = stage.host_np[off:off + nbytes].view(_NP_DTYPES[dtype]).reshape(shape)
+            self.dev[name] = stage.dev[off:off + nbytes].view(dtype).view(shape)
+            off += -(-nbytes // 16) * 16  # 16-byte aligned starts
+        self.nbytes = off
+        self._host = stage.host[:off]
+        self._dev = stage.dev[:off]
+
+    def upload(self) -> None:
+        """Start the step's single host-to-device copy (asynchronous from pinned memory)."""
+        self._dev.copy_(self._host, non_blocking=True)
+
+
+class PackedStage:
+    """One pinned host byte buffer and its device twin: a step writes all its inputs into the host
+    bytes and sends them with ONE copy (each copy costs the host ~10 us on CUDA). Layouts are cached
+    per shape, so the device views a CUDA graph captured stay the ones later steps of its size fill."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self._layouts: dict[tuple[int, int, int], StageLayout] = {}
+
+    def layout(self, key: tuple[int, int, int], fields: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+               ) -> StageLayout:
+        found = self._layouts.get(key)
+        if found is None:
+            if len(self._layouts) >= 1024:  # eager steps come in many shapes; keep the cache bounded
+                self._layouts.clear()
+            found = self._layouts[key] = StageLayout(self, fields)
+        return found
+
+
+class StepInputs:
+    """Persistent staged inputs for a step of up to `max_tokens` tokens (and as many sequences),
+    plus the per-row sampling parameters of up to `max_rows` rows, all uploaded in one copy."""
+
+    def __init__(self, max_tokens: int, max_blocks: int, max_rows: int, device: torch.device) -> None:
         self.max_tokens = max_tokens
         self.max_blocks = max_blocks
-        self.input_ids = StagedBuffer((max_tokens,), torch.int64, device)
-        self.positions = StagedBuffer((max_tokens,), torch.int64, device)
-        self.slots = StagedBuffer((max_tokens,), torch.int64, device)
-        self.block_tables = StagedBuffer((max_tokens, max_blocks), torch.int32, device)
-        self.seq_lens = StagedBuffer((max_tokens,), torch.int32, device)
-        self.query_start = StagedBuffer((max_tokens + 1,), torch.int32, device)
+        self.max_rows = max_rows
+        nbytes = sum(-(-int(np.prod(shape)) * dtype.itemsize // 16) * 16
+                     for _, dtype, shape in self._fields(max_tokens, max_tokens, max_rows))
+        self.stage = PackedStage(nbytes, device)
         self.logit_rows = StagedBuffer((2 * max_tokens,), torch.int64, device)
 
-    def fill(self, out: SchedulerOutput, block_size: int, padded_seqs: int, padded_tokens: int) -> int:
-        """Write the step's sequences plus padding rows and start the uploads; returns the longest
-        context. Padding tokens write to slot -1 and padding sequences have no context."""
-        ids, pos, slots = self.input_ids.np, self.positions.np, self.slots.np
-        tables, lens, starts = self.block_tables.np, self.seq_lens.np, self.query_start.np
+    def _fields(self, tokens: int, seqs: int, rows: int) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+        return (("input_ids", torch.int64, (tokens,)), ("positions", torch.int64, (tokens,)),
+                ("slots", torch.int64, (tokens,)), ("seq_lens", torch.int32, (seqs,)),
+                ("query_start", torch.int32, (seqs + 1,)), ("params_f32", torch.float32, (rows, 6)),
+                ("params_i64", torch.int64, (rows, 3)), ("block_tables", torch.int32, (seqs, self.max_blocks)))
+
+    def layout(self, tokens: int, seqs: int, rows: int) -> StageLayout:
+        """The layout of a step of `tokens` tokens, `seqs` sequences and `rows` staged sampling rows."""
+        key = (tokens, seqs, rows)
+        return self.stage.layout(key, self._fields(*key))
+
+    def fill(self, layout: StageLayout, out: SchedulerOutput, block_size: int, padded_seqs: int,
+             padded_tokens: int) -> int:
+        """Write the step's sequences plus padding rows into `layout`; returns the longest context.
+        Padding tokens write to slot -1 and padding sequences have no context. The caller uploads."""
+        v = layout.np
+        ids, pos, slots = v["input_ids"], v["positions"], v["slots"]
+        tables, lens, starts = v["block_tables"], v["seq_lens"], v["query_start"]
         t = 0
         longest = 0
         starts[0] = 0
+        max_blocks = self.max_blocks
         for i, s in enumerate(out.seqs):
             n, start, blocks = len(s.token_ids), s.start_pos, s.block_ids
-            if len(blocks) > self.max_blocks:
+            if len(blocks) > max_blocks:
                 raise RuntimeError(f"sequence {s.seq_id} has {len(blocks)} KV blocks; the runner's block tables "
-                                   f"hold {self.max_blocks} (max_model_len)")
+                                   f"hold {max_blocks} (max_model_len)")
             tables[i, :len(blocks)] = blocks
+            tables[i, len(blocks):] = 0  # the bytes are shared with other layouts: no stray block ids
             end = start + n
             lens[i] = end
-            longest = max(longest, end)
+            if end > longest:
+                longest = end
             if n == 1:
                 ids[t] = s.token_ids[0]
                 pos[t] = start
@@ -70,15 +136,13 @@ class StepInputs:
             t += n
             starts[i + 1] = t
         num_seqs = len(out.seqs)
-        ids[t:padded_tokens] = 0
-        pos[t:padded_tokens] = 0
-        slots[t:padded_tokens] = -1
-        lens[num_seqs:padded_seqs] = 0
-        starts[num_seqs + 1:padded_seqs + 1] = t
-        for buf, n in ((self.input_ids, padded_tokens), (self.positions, padded_tokens), (self.slots, padded_tokens),
-                       (self.block_tables, padded_seqs), (self.seq_lens, padded_seqs),
-                       (self.query_start, padded_seqs + 1)):
-            buf.upload(n)
+        if t < padded_tokens:
+            ids[t:padded_tokens] = 0
+            pos[t:padded_tokens] = 0
+            slots[t:padded_tokens] = -1
+        if num_seqs < padded_seqs:
+            lens[num_seqs:padded_seqs] = 0
+            starts[num_seqs + 1:padded_seqs + 1] = t
         return longest
 
 
@@ -102,8 +166,9 @@ class CudaStepRunner:
         # are no graphs and no pinned memory.
         sizes = [] if enforce_eager or not on_cuda else graph_batch_sizes(max_num_seqs)
         self.graphs = DecodeGraphs(sizes, self.device)
-        capacity = max(max_num_batched_tokens, self.graphs.max_size, max_num_seqs)
-        self.inputs = StepInputs(capacity, max_blocks, self.device)
+        # Room for the largest graph size even when graphs are off (tests swap in stand-in graphs).
+        capacity = max(max_num_batched_tokens, graph_batch_sizes(max_num_seqs)[-1], max_num_seqs)
+        self.inputs = StepInputs(capacity, max_blocks, 2 * capacity, self.device)
         self.sampling = SamplingBuffers(2 * capacity, config.vocab_size, self.device)
         pin = on_cuda
         self.host_tokens = torch.zeros(2 * capacity, dtype=torch.int64, pin_memory=pin)
@@ -121,18 +186,19 @@ class CudaStepRunner:
     # ------------------------------------------------------------------------------------- graphs
     def _prepare_padding(self, batch: int) -> None:
         """Inputs of `batch` padding rows: slot -1, no context, greedy sampling, no CSR entries."""
-        self.inputs.block_tables.np[:batch] = 0
-        self.inputs.fill(SchedulerOutput([], [], [], [], 0), self.block_size, batch, batch)
-        self.sampling.pack([], batch, full_csr=True)
+        layout = self.inputs.layout(batch, batch, batch)
+        layout.np["block_tables"][:] = 0
+        self.inputs.fill(layout, SchedulerOutput([], [], [], [], 0), self.block_size, batch, batch)
+        self.sampling.pack([], batch, full_csr=True, stage=_stage(layout))
+        layout.upload()
 
     def _graph_forward(self, batch: int) -> GraphOutputs:
-        inp = self.inputs
-        ctx = CudaAttentionContext(self.caches, inp.slots.dev[:batch], inp.block_tables.dev[:batch],
-                                   inp.seq_lens.dev[:batch], inp.query_start.dev[:batch + 1], decode=True,
-                                   max_seq_len=self.max_seq_len, workspace=self.workspace)
-        hidden = self.model(inp.input_ids.dev[:batch], inp.positions.dev[:batch], ctx)
+        d = self.inputs.layout(batch, batch, batch).dev
+        ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
+                                   decode=True, max_seq_len=self.max_seq_len, workspace=self.workspace)
+        hidden = self.model(d["input_ids"], d["positions"], ctx)
         logits = self.model.compute_logits(hidden)
-        tokens, logprobs, _ = sample(logits, **self.sampling.static_kwargs(batch))
+        tokens, logprobs, _ = sample(logits, **self.sampling.static_kwargs(batch, d["params_f32"], d["params_i64"]))
         return tokens, logprobs
 
     # --------------------------------------------------------------------------------------- step
@@ -167,20 +233,26 @@ class CudaStepRunner:
 
         padded = self.graphs.padded_size(num_seqs) if graphable and not want_logprobs else None
         if padded is not None:
-            sampling, static = self.sampling.pack(rows, padded, full_csr=True)
+            layout = self.inputs.layout(padded, padded, padded)
+            sampling, static = self.sampling.pack(rows, padded, full_csr=True, stage=_stage(layout))
             if not static:
                 padded = None
         if padded is not None:
-            self.inputs.fill(out, self.block_size, padded, padded)
+            self.inputs.fill(layout, out, self.block_size, padded, padded)
+            layout.upload()
             tokens, logprobs = self.graphs.replay(padded)
             tokens, logprobs = tokens[:num_seqs], logprobs[:num_seqs]
             prompt_mat = sample_mat = None
             self.num_graph_steps += 1
         else:
-            sampling, _ = self.sampling.pack(rows)
-            longest = self.inputs.fill(out, self.block_size, num_seqs, t)
-            tokens, logprobs, prompt_mat, sample_mat = self._eager(out, t, one_token, longest, sampling, rows,
-                                                                   prompt_rows, sample_hidden_rows, want_logprobs)
+            num_rows = len(rows)
+            layout = self.inputs.layout(t, num_seqs, num_rows if num_rows <= self.inputs.max_rows else 0)
+            sampling, _ = self.sampling.pack(rows, stage=_stage(layout) if num_rows <= self.inputs.max_rows else None)
+            longest = self.inputs.fill(layout, out, self.block_size, num_seqs, t)
+            layout.upload()
+            tokens, logprobs, prompt_mat, sample_mat = self._eager(layout, out, t, one_token, longest, sampling,
+                                                                   rows, prompt_rows, sample_hidden_rows,
+                                                                   want_logprobs)
             self.num_eager_steps += 1
 
         # The one device-to-host sync of the step: token ids, their logprobs, logprob matrices.
@@ -199,7 +271,7 @@ class CudaStepRunner:
         return self._results(out, rows, owners, host_tokens.tolist(), host_logprobs.tolist(), want_logprobs,
                              host_sample, host_prompt)
 
-    def _eager(self, out: SchedulerOutput, num_tokens: int, decode: bool, longest: int,
+    def _eager(self, layout: StageLayout, out: SchedulerOutput, num_tokens: int, decode: bool, longest: int,
                sampling: dict[str, torch.Tensor | None], rows: list[SamplingRow], prompt_rows: list[int],
                sample_hidden_rows: list[int], want_logprobs: list[int],
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -211,10 +283,10 @@ class CudaStepRunner:
                                          device=self.device.index or 0)
             if need <= self.workspace.numel() * 4:
                 workspace = self.workspace
-        ctx = CudaAttentionContext(self.caches, inp.slots.dev[:num_tokens], inp.block_tables.dev[:num_seqs],
-                                   inp.seq_lens.dev[:num_seqs], inp.query_start.dev[:num_seqs + 1], decode=decode,
-                                   max_seq_len=max(longest, 1), workspace=workspace)
-        hidden = self.model(inp.input_ids.dev[:num_tokens], inp.positions.dev[:num_tokens], ctx)
+        d = layout.dev
+        ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
+                                   decode=decode, max_seq_len=max(longest, 1), workspace=workspace)
+        hidden = self.model(d["input_ids"], d["positions"], ctx)
         logit_rows = prompt_rows + sample_hidden_rows
         if logit_rows == list(range(num_tokens)):
             logits = self.model.compute_logits(hidden)
@@ -264,6 +336,11 @@ class CudaStepRunner:
             else:
                 results[owner].sampled.append(SampledToken(token, float(logprobs[i])))
         return results
+
+
+def _stage(layout: StageLayout) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
+    """Where `SamplingBuffers.pack` writes the per-row parameters of a step staged in `layout`."""
+    return layout.np["params_f32"], layout.np["params_i64"], layout.dev["params_f32"], layout.dev["params_i64"]
 
 
 def _fork_row(row: SamplingRow, index: int) -> SamplingRow:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from wllm.engine.sampler import SamplingRow
@@ -68,19 +69,26 @@ class SamplingBuffers:
         # without entries skip its upload (the common case: no bias, no penalties).
         self._dirty = {"bias": False, "penalty": False}
 
-    def static_kwargs(self, rows: int) -> dict[str, torch.Tensor]:
+    def static_kwargs(self, rows: int, params_f32: torch.Tensor | None = None,
+                      params_i64: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The kernel arguments over the persistent device buffers for `rows` rows, CSR lists at full
-        capacity (what a CUDA graph captures: the kernel reads only the entries the offsets name)."""
+        capacity (what a CUDA graph captures: the kernel reads only the entries the offsets name).
+        `params_f32`/`params_i64` replace the own per-row buffers when the rows are staged elsewhere."""
         return {
-            "params_f32": self.f32.dev[:rows], "params_i64": self.i64.dev[:rows],
+            "params_f32": self.f32.dev[:rows] if params_f32 is None else params_f32,
+            "params_i64": self.i64.dev[:rows] if params_i64 is None else params_i64,
             "bias_offsets": self.bias_off.dev[:rows + 1], "bias_tokens": self.bias_tok.dev,
             "bias_values": self.bias_val.dev, "penalty_offsets": self.pen_off.dev[:rows + 1],
             "penalty_tokens": self.pen_tok.dev, "penalty_counts": self.pen_cnt.dev,
         }
 
-    def pack(self, rows: Seq[SamplingRow], padded: int | None = None, *, full_csr: bool = False
+    def pack(self, rows: Seq[SamplingRow], padded: int | None = None, *, full_csr: bool = False,
+             stage: tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor] | None = None,
              ) -> tuple[dict[str, torch.Tensor | None], bool]:
         """Write `rows` (plus greedy padding rows up to `padded`) and copy them to the device.
+
+        With `stage` (host f32 [>=padded, 6], host i64 [>=padded, 3], their device views) the per-row
+        parameters go there instead, and the caller uploads them with the rest of its step inputs.
 
         Returns (kwargs for `wllm.kernels.sample`, static). With `full_csr` the CSR arguments are
         always the full-capacity buffers (graph replay); otherwise they are trimmed, or None when
@@ -125,13 +133,21 @@ class SamplingBuffers:
                 len(pen_tok) > self.pen_tok.np.shape[0]:
             return pack_sampling_rows(rows, self.device), False
 
+        f32_np, i64_np = (self.f32.np, self.i64.np) if stage is None else stage[:2]
         if n:
-            self.f32.np[:n] = f32
-            self.i64.np[:n] = i64
-        self.f32.np[n:padded] = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # greedy, no filters, neutral penalties
-        self.i64.np[n:padded] = 0
-        out: dict[str, torch.Tensor | None] = {"params_f32": self.f32.upload(padded),
-                                               "params_i64": self.i64.upload(padded)}
+            f32_np[:n] = f32
+            i64_np[:n] = i64
+        if n < padded:
+            f32_np[n:padded] = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # greedy, no filters, neutral penalties
+            i64_np[n:padded] = 0
+        out: dict[str, torch.Tensor | None]
+        if stage is None:
+            out = {"params_f32": self.f32.upload(padded), "params_i64": self.i64.upload(padded)}
+        else:
+            f32_dev, i64_dev = stage[2], stage[3]
+            if f32_dev.shape[0] != padded:
+                f32_dev, i64_dev = f32_dev[:padded], i64_dev[:padded]
+            out = {"params_f32": f32_dev, "params_i64": i64_dev}
         for name, off, lists, pairs in (("bias", bias_off, (bias_tok, bias_val), (self.bias_tok, self.bias_val)),
                                         ("penalty", pen_off, (pen_tok, pen_cnt), (self.pen_tok, self.pen_cnt))):
             offsets = self.bias_off if name == "bias" else self.pen_off
