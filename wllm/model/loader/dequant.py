@@ -23,11 +23,15 @@ from wllm.model.loader.errors import UnsupportedQuantTypeError
 
 GGMLType = GGMLQuantizationType
 
-# Blocks (of 32 values; a 256-value K-quant block counts as 8) dequantized per step. Each step
-# writes its float32 values in place into a slice of the output, so ~2 MB of output plus small
-# uint8 temporaries stay in the CPU cache across the few ops a type needs; bigger steps only
-# add cache misses, smaller ones add per-op overhead.
-_CHUNK_BLOCKS = 1 << 14
+# Blocks (of 32 values; a 256-value K-quant block counts as 8) dequantized per step on the CPU.
+# Each step writes its float32 values in place into a slice of the output. 1000 blocks keep
+# every op under ATen's 32768-element grain, so each runs on the calling thread: bigger ops
+# open an OpenMP parallel region, and on a busy machine (more runnable threads than cores)
+# every region waits for a descheduled worker -- measured 5-30x slower overall. The steps
+# also keep their data in the CPU cache.
+_CHUNK_BLOCKS = 1000
+# On accelerators per-op launch cost dominates instead: big steps (scratch ~32 MB).
+_DEVICE_CHUNK_BLOCKS = 1 << 18
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -317,7 +321,7 @@ def dequantize(
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=data.device)
     dst = out.view(n, block)
-    step = max(1, _CHUNK_BLOCKS * 32 // block)
+    step = max(1, (_CHUNK_BLOCKS if data.device.type == "cpu" else _DEVICE_CHUNK_BLOCKS) * 32 // block)
     # Another dtype: each chunk goes through a float32 scratch buffer, then is cast into place.
     scratch = None if dtype == torch.float32 else torch.empty(min(n, step), block, device=data.device)
     for start in range(0, n, step):
