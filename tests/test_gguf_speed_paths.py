@@ -190,3 +190,14 @@ def test_dequantize_out_is_checked() -> None:
         dequantize(raw, GGMLType.Q4_0, (2, 32), out=torch.empty(32, 2).t())
     with pytest.raises(ValueError, match="contiguous floating tensor"):
         dequantize(raw, GGMLType.Q4_0, (2, 32), out=torch.empty(2, 32, dtype=torch.int32))
+
+
+def test_index_rows_cpu_gather_matches_and_checks_range() -> None:
+    raw = torch.from_numpy(random_blocks(GGMLType.Q4_K, 6, 2, seed=9))
+    qt = QuantizedTensor(raw, GGMLType.Q4_K, (6, 512))
+    perm = torch.tensor([5, 0, 3, 3, 1])
+    picked = qt.index_rows(perm)
+    assert picked.shape == (5, 512) and torch.equal(picked.data, qt.data.index_select(0, perm))
+    for bad in ([0, 6], [-1, 2]):
+        with pytest.raises(IndexError, match="out of range for 6 rows"):
+            qt.index_rows(bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from math import prod
 
+import numpy as np
 import torch
 
 from wllm.model.loader.dequant import GGMLType, block_layout, byte_shape, dequantize
@@ -124,7 +125,14 @@ class QuantizedTensor:
         idx = torch.as_tensor(index, dtype=torch.long, device=self.data.device)
         if idx.ndim != 1:
             raise ValueError(f"row index must be 1-D, got shape {tuple(idx.shape)}")
-        data = self.data.index_select(0, idx)
+        if self.data.device.type == "cpu":
+            # numpy gathers on this thread; torch's index_select on a weight-sized tensor opens an
+            # OpenMP region, which stalls for milliseconds when the cores are busy.
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.shape[0]):
+                raise IndexError(f"row index out of range for {self.shape[0]} rows")
+            data = torch.from_numpy(np.take(self.data.numpy(), idx.numpy(), axis=0))
+        else:
+            data = self.data.index_select(0, idx)
         return QuantizedTensor(data, self.ggml_type, (idx.numel(), *self.shape[1:]))
 
     @staticmethod
