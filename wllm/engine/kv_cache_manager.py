@@ -82,7 +82,15 @@ class KVCacheManager:
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `seq`; False (and no change) if the pool
         is short. `computed_blocks` are prefix-cache hits for a sequence with no blocks yet."""
-        computed_blocks = computed_blocks or []
+        if not computed_blocks:
+            # Fast path of a decode step: usually the last block still has a free slot.
+            need = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.blocks)
+            if need <= 0:
+                return True
+            if need > self.pool.num_free_blocks:
+                return False
+            seq.blocks.extend(self.pool.get_new_blocks(need))
+            return True
         num_hit_tokens = len(computed_blocks) * self.block_size
         total = seq.num_computed_tokens + num_hit_tokens + num_new_tokens
         need = cdiv(total, self.block_size) - len(seq.blocks) - len(computed_blocks)
@@ -90,10 +98,9 @@ class KVCacheManager:
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if need > self.pool.num_free_blocks - revived:
             return False
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            seq.blocks.extend(computed_blocks)
-            seq.num_registered_blocks = len(seq.blocks)
+        self.pool.touch(computed_blocks)
+        seq.blocks.extend(computed_blocks)
+        seq.num_registered_blocks = len(seq.blocks)
         if need > 0:
             seq.blocks.extend(self.pool.get_new_blocks(need))
         return True

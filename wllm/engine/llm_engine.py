@@ -179,13 +179,15 @@ class LLMEngine:
                 outputs.append(self._make_output(group))
             return outputs
         changed = self.scheduler.update_from_output(sched_out, results)
-        groups: dict[str, RequestGroup] = {}
-        for seq in changed:
-            self._process_text(seq)
-            groups[seq.group.request_id] = seq.group
+        if self.tokenizer is not None:
+            for seq in changed:
+                self._process_text(seq)
+        # One output per request, in the order its first changed sequence came (dict keeps order).
+        groups = {id(seq.group): seq.group for seq in changed}
         for group in groups.values():
-            outputs.append(self._make_output(group))
-            if group.is_finished:
+            out = self._make_output(group)
+            outputs.append(out)
+            if out.finished:
                 self.scheduler.pop_finished_group(group.request_id)
         return outputs
 
@@ -210,10 +212,10 @@ class LLMEngine:
         want_lp = group.params.logprobs is not None
         outs = []
         for seq in group.seqs:
-            text = seq.text_state.visible_text(seq.is_finished) if seq.text_state is not None else ""
+            state = seq.text_state
             outs.append(CompletionOutput(
                 index=seq.index,
-                text=text,
+                text=state.visible_text(seq.is_finished) if state is not None else "",
                 token_ids=list(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if want_lp else None,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,

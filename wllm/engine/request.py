@@ -16,6 +16,7 @@ from wllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from wllm.engine.block_pool import KVBlock
+    from wllm.engine.sampler import SamplingRow
     from wllm.engine.stop_checker import TextState
 
 
@@ -52,6 +53,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text_state: TextState | None = None  # set by the engine's output processor
+        # The scheduler's SamplingRow of this sequence: every field is fixed for its lifetime (the
+        # output list is this sequence's own, growing list), so one object serves every step.
+        self.sampling_row: SamplingRow | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -75,7 +79,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
     @property
     def is_prefilling(self) -> bool:
@@ -124,7 +128,12 @@ class RequestGroup:
 
     @property
     def is_finished(self) -> bool:
-        return self.num_pending_forks == 0 and all(s.is_finished for s in self.seqs)
+        if self.num_pending_forks:
+            return False
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, without a generator per call (hot in the step loop)
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.status is SequenceStatus.FINISHED for s in seqs)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

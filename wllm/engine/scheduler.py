@@ -296,8 +296,10 @@ class Scheduler:
                 targets = seq.prompt_token_ids[first + 1:last + 1]
         sampling = None
         if num_samples:
-            sampling = SamplingRow(group.params, group.seed, seq.index, seq.prompt_token_ids,
-                                   seq.output_token_ids, self.eos_token_ids)
+            sampling = seq.sampling_row
+            if sampling is None:
+                sampling = seq.sampling_row = SamplingRow(group.params, group.seed, seq.index, seq.prompt_token_ids,
+                                                          seq.output_token_ids, self.eos_token_ids)
         return ScheduledSeq(seq.seq_id, seq.all_token_ids[start:end], start, [b.block_id for b in seq.blocks],
                             num_samples, sampling, top, targets, first)
 
@@ -308,13 +310,13 @@ class Scheduler:
         now = time.monotonic()
         for sched in out.seqs:
             seq = self.seqs.get(sched.seq_id)
-            if seq is None or seq.status != SequenceStatus.RUNNING:
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             was_prompt = seq.is_prefilling
-            n = len(sched.token_ids)
-            seq.num_computed_tokens += n
-            prompt_part = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - sched.start_pos)
-            self.num_prompt_tokens += prompt_part
+            seq.num_computed_tokens += len(sched.token_ids)
+            if was_prompt:  # a decode chunk starts past the prompt: no prompt tokens in it
+                prompt_part = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - sched.start_pos)
+                self.num_prompt_tokens += prompt_part
             self.kv.cache_computed_blocks(seq)
             result = results[sched.seq_id]
             group = seq.group
@@ -324,12 +326,16 @@ class Scheduler:
                 continue
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
-            first, *rest = result.sampled
-            # Fork before the parent's own token: that token may finish it and free its blocks.
-            children = self._fork(seq, rest) if rest and was_prompt else []
-            self._append(seq, first)
-            changed.append(seq)
-            changed.extend(children)
+            sampled = result.sampled
+            if len(sampled) > 1 and was_prompt:
+                # Fork before the parent's own token: that token may finish it and free its blocks.
+                children = self._fork(seq, sampled[1:])
+                self._append(seq, sampled[0])
+                changed.append(seq)
+                changed.extend(children)
+            else:
+                self._append(seq, sampled[0])
+                changed.append(seq)
         return changed
 
     def _append(self, seq: Sequence, tok: SampledToken) -> None:
