@@ -20,7 +20,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-GraphOutputs = tuple[torch.Tensor, torch.Tensor]  # sampled tokens int64 [B], their logprobs fp32 [B]
+# fp64 [2, B]: row 0 the sampled token ids (exact in fp64), row 1 their logprobs. One tensor, so a
+# replayed step comes back to the host in one copy.
+GraphOutputs = torch.Tensor
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -177,6 +177,7 @@ class CudaStepRunner:
         need = max([decode_workspace_size(b, self.num_heads, self.num_kv_heads, self.head_dim, self.max_seq_len,
                                           device=index) for b in sizes] + [0])
         self.workspace = torch.empty((need + 3) // 4, dtype=torch.float32, device=self.device) if need else None
+        self._host_graph_out: dict[int, torch.Tensor] = {}  # pinned fp64 [2, B] per graph size
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         if sizes:
@@ -199,7 +200,7 @@ class CudaStepRunner:
         hidden = self.model(d["input_ids"], d["positions"], ctx)
         logits = self.model.compute_logits(hidden)
         tokens, logprobs, _ = sample(logits, **self.sampling.static_kwargs(batch, d["params_f32"], d["params_i64"]))
-        return tokens, logprobs
+        return torch.stack((tokens.double(), logprobs.double()))
 
     # --------------------------------------------------------------------------------------- step
     def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
@@ -240,10 +241,19 @@ class CudaStepRunner:
         if padded is not None:
             self.inputs.fill(layout, out, self.block_size, padded, padded)
             layout.upload()
-            tokens, logprobs = self.graphs.replay(padded)
-            tokens, logprobs = tokens[:num_seqs], logprobs[:num_seqs]
-            prompt_mat = sample_mat = None
+            packed = self.graphs.replay(padded)
             self.num_graph_steps += 1
+            # The step's one device-to-host copy and sync: ids and logprobs in one fp64 matrix.
+            host = self._host_graph_out.get(padded)
+            if host is None:
+                host = self._host_graph_out[padded] = torch.empty((2, padded), dtype=torch.float64,
+                                                                  pin_memory=self.device.type == "cuda")
+            host.copy_(packed, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            ids, lps = host.tolist()
+            return self._results(out, rows, owners, [int(x) for x in ids[:num_seqs]], lps[:num_seqs], [],
+                                 None, None)
         else:
             num_rows = len(rows)
             layout = self.inputs.layout(t, num_seqs, num_rows if num_rows <= self.inputs.max_rows else 0)
