@@ -347,7 +347,9 @@ class GGUFModel:
         pending: dict[str, dict[str, Weight]] = {}
         for gguf_name, hf_name in list(self._hf_names.items()):
             info = self.tensors[gguf_name]
-            value = self._transform(info, self._read(info, out_dtype, device), out_dtype)
+            # Row permutes and fusions act on the raw blocks (a quarter of the bytes of float32
+            # values); dequantization comes last.
+            value = self._transform(info, self._read(info, None, device), out_dtype)
             if self.architecture == "phi3" and (fused := _phi3_qkv_part(hf_name)) is not None:
                 # A phi3 GGUF with separate q/k/v: fuse them into HF's qkv_proj.
                 target, which = fused
@@ -355,9 +357,9 @@ class GGUFModel:
                 parts[which] = value
                 if len(parts) == 3:
                     del pending[target]
-                    yield target, _cat_rows([parts["q"], parts["k"], parts["v"]], out_dtype)
+                    yield target, _dense(_cat_rows([parts["q"], parts["k"], parts["v"]], out_dtype), out_dtype)
                 continue
-            yield hf_name, value
+            yield hf_name, _dense(value, out_dtype)
         if pending:
             raise ModelLoadError(f"{self.path}: incomplete q/k/v tensors for {sorted(pending)}")
 
@@ -424,6 +426,16 @@ def _fused_phi3_names(names: list[str]) -> list[str]:
         if seen[fused[0]] == 3:
             out.append(fused[0])
     return out
+
+
+def _dense(value: Weight, out_dtype: torch.dtype | None) -> Weight:
+    """`value` as a dense `out_dtype` tensor (values computed in float32); unchanged when None."""
+    if out_dtype is None:
+        return value
+    if isinstance(value, QuantizedTensor):
+        return value.dequantize(out_dtype)
+    # F16/BF16 -> float32 is exact; cast to the asked dtype from there, like the quant path.
+    return value.to(torch.float32).to(out_dtype)
 
 
 def _cat_rows(parts: list[Weight], out_dtype: torch.dtype | None) -> Weight:
