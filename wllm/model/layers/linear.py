@@ -36,6 +36,11 @@ def copy_into(dst: torch.Tensor, src: Any) -> None:
     shape = getattr(src, "shape", None)
     if shape is not None and tuple(shape) != tuple(dst.shape):
         raise WeightShapeError(f"checkpoint shape {tuple(shape)} != model shape {tuple(dst.shape)}")
+    if not isinstance(src, torch.Tensor) and hasattr(src, "dequantize") and dst.is_contiguous():
+        # Dequantize straight into the parameter: no temporary, no second full-size copy.
+        with torch.no_grad():
+            src.dequantize(out=dst)
+        return
     src = materialize(src, dst.dtype, dst.device)
     if tuple(src.shape) != tuple(dst.shape):
         raise WeightShapeError(f"checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
