@@ -77,8 +77,9 @@ def register(subparsers: Any) -> None:
     eng.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on the CPU")
     eng.add_argument("--swap-space", type=float, default=1.0,
                      help="GiB of CPU memory to swap preempted requests to (0: always recompute)")
-    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
-                     help="token budget per engine step (prefill chunks + decode tokens)")
+    eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                     help="token budget per engine step (prefill chunks + decode tokens); "
+                          "default 8192 on CUDA, 2048 elsewhere")
     eng.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most requests running at once")
     eng.add_argument("--max-queue", type=_non_negative_int, default=1024,
                      help="most requests waiting to be scheduled; more get 503 (0: unbounded)")
