@@ -24,6 +24,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kTile = 256;                 // tokens per shared-memory score tile
 constexpr int kMinBlockSize = 8;           // block sizes are powers of two >= this
 constexpr int kTargetCtas = 1024;          // split the context until the grid has about this many blocks
+constexpr int kSplitUnit = 32;             // a split covers a multiple of this many tokens
 constexpr int kMaxBlocksPerTile = kTile / kMinBlockSize + 1;
 
 constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
@@ -97,6 +98,16 @@ struct Params {
   int window;
 };
 
+// Tokens per split for one sequence: every sequence spreads its own attended span over all the
+// grid's splits, so a short context still keeps many blocks busy (the grid itself is fixed by the
+// host-side maximum, which keeps CUDA graphs valid).
+__device__ __forceinline__ int seq_split_tokens(int span, int splits) {
+  if (splits == 1) return INT_MAX;
+  const int units = (span + kSplitUnit - 1) / kSplitUnit;
+  const int per = (units + splits - 1) / splits;
+  return (per > 0 ? per : 1) * kSplitUnit;
+}
+
 template <typename T, int D, int GQ>
 __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params p) {
   using L = Layout<T, D, GQ>;
@@ -120,8 +131,9 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
 
   const int seq_len = max(p.seq_lens[seq], 0);
   const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
-  const int begin = max(lo, split * p.split_tokens);
-  const int end = min(seq_len, split >= p.splits - 1 ? INT_MAX : (split + 1) * p.split_tokens);
+  const int st = seq_split_tokens(seq_len - lo, p.splits);
+  const int begin = p.splits == 1 ? lo : lo + split * st;
+  const int end = p.splits == 1 ? seq_len : min(seq_len, lo + (split + 1) * st);
   if (p.splits == 1 && begin >= end) {
     // Empty sequence (a graph padding row): zeros, never uninitialised memory.
     T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride;
@@ -364,8 +376,9 @@ __global__ void merge_splits_kernel(const Params p, int head_size) {
     return;
   }
   const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
-  const int first = min(lo / p.split_tokens, p.splits - 1);
-  const int last = min((seq_len - 1) / p.split_tokens, p.splits - 1);
+  const int span = seq_len - lo;  // >= 1 here
+  const int first = 0;
+  const int last = min((span - 1) / seq_split_tokens(span, p.splits), p.splits - 1);
   const int64_t row0 = ((int64_t)seq * p.num_heads + head) * p.splits;
   float m = -INFINITY;
   for (int i = first; i <= last; ++i) m = fmaxf(m, p.partial_stats[(row0 + i) * 2]);
@@ -397,7 +410,7 @@ static Plan make_plan(int num_seqs, int num_heads, int num_kv_heads, int head_si
   plan.chunks = (group + gq_max - 1) / gq_max;
   plan.per_chunk = (group + plan.chunks - 1) / plan.chunks;
   plan.gq = pow2_ceil(plan.per_chunk);
-  const int64_t tiles = max_seq_len <= 0 ? 1 : (max_seq_len + kTile - 1) / kTile;
+  const int64_t units = max_seq_len <= 0 ? 1 : (max_seq_len + kSplitUnit - 1) / kSplitUnit;
   int64_t splits = 1;
   if (num_splits > 0) {
     splits = num_splits;
@@ -405,12 +418,10 @@ static Plan make_plan(int num_seqs, int num_heads, int num_kv_heads, int head_si
     const int64_t ctas = (int64_t)num_seqs * num_kv_heads * plan.chunks;
     if (ctas < kTargetCtas) splits = (kTargetCtas + ctas - 1) / ctas;
   }
-  if (splits > tiles) splits = tiles;
+  if (splits > units) splits = units;
   if (splits > 65535) splits = 65535;
-  const int64_t tiles_per_split = (tiles + splits - 1) / splits;
-  splits = (tiles + tiles_per_split - 1) / tiles_per_split;
   plan.splits = (int)splits;
-  plan.split_tokens = splits > 1 ? (int)(tiles_per_split * kTile) : INT_MAX;
+  plan.split_tokens = 0;  // chosen per sequence in the kernels (seq_split_tokens)
   plan.workspace_bytes =
       splits > 1 ? (int64_t)num_seqs * num_heads * splits * (head_size + 2) * (int64_t)sizeof(float) : 0;
   return plan;
