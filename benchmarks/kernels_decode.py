@@ -14,30 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from wllm import kernels
+from wllm.bench.floors import H200
+from wllm.bench.timing import cuda_time_ms
 from wllm.kernels import ops, reference
 
-COPY_FLOOR_GBS = 4232.0  # H200 device copy bandwidth measured (DESIGN.md)
+COPY_FLOOR_GBS = H200.bandwidth / 1e9  # measured ceiling (wllm.bench.floors)
 
 
 def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
-    """Median time of fn() in milliseconds, measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms(fn, warmup, iters)
 
 
 def graphed(fn):

@@ -14,30 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 from wllm import kernels
+from wllm.bench.floors import H200
+from wllm.bench.timing import cuda_time_ms
 
-MATMUL_FLOOR_TFLOPS = 758.0  # bf16 dense matmul measured on the H200 (DESIGN.md)
+MATMUL_FLOOR_TFLOPS = H200.flops / 1e12  # measured ceiling (wllm.bench.floors)
 
 
 def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
-    """Median time of fn() in milliseconds, measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_time_ms(fn, warmup, iters)
 
 
 def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
