@@ -20,6 +20,8 @@ else
 fi
 export PYTHONUNBUFFERED=1
 [ -f build/legtest/libwllm_kernels.so ] && export WLLM_TEST_LEG_LIBRARY=$root/build/legtest/libwllm_kernels.so
+# The tree arrives without .git: `git rev-parse --short HEAD > build/legtest/commit.txt` here names it.
+[ -f build/legtest/commit.txt ] && export WLLM_COMMIT=$(cat build/legtest/commit.txt)
 
 pytest_args=()
 benches=()

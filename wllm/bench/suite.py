@@ -7,6 +7,7 @@ little room for a second copy), so wLLM runs first and HF gets the memory afterw
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import statistics
 import subprocess
@@ -232,7 +233,10 @@ def device_name(device: torch.device) -> str:
 
 
 def git_commit() -> str:
-    """The short commit of the source tree wllm runs from, or 'unknown' for an installed wheel."""
+    """The short commit of the source tree wllm runs from ($WLLM_COMMIT wins: copies of the tree
+    without .git, such as the GPU machine's, pass it in), or 'unknown' for an installed wheel."""
+    if os.environ.get("WLLM_COMMIT"):
+        return os.environ["WLLM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=10)
