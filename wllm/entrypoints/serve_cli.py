@@ -148,40 +148,25 @@ def _chat_template(value: str | None) -> str | None:
 def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     """Load the model and tokenizer and start an AsyncEngine; returns it and the model source."""
     from wllm.engine.async_engine import AsyncEngine
-    from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from wllm.engine.llm_engine import LLMEngine
     from wllm.model.default_model import default_model_path
-    from wllm.model.loader import load_model
-    from wllm.model.tokenizer.synthetic import synthetic_tokenizer
-    from wllm.model.tokenizer.tokenizer import Tokenizer
 
     source = args.model if args.model is not None else str(default_model_path())
-    device = _resolve_device(args.device)
-    loaded = load_model(source, dtype=args.dtype, device=device, load_format=args.load_format,
-                        revision=args.revision)
-    tokenizer_source = args.tokenizer or loaded.tokenizer_path
-    if tokenizer_source is not None:
-        tokenizer = Tokenizer.from_path(tokenizer_source)
-    elif args.load_format == "dummy":
-        # Random weights need no real vocabulary: a byte-level one of the model's size will do.
-        tokenizer = synthetic_tokenizer(loaded.config.vocab_size)
-    else:
-        raise ValueError(f"{source} has no tokenizer files; pass --tokenizer <folder or .gguf>")
-    config = EngineConfig(
-        cache=CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,
-                          enable_prefix_caching=args.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  max_waiting=args.max_queue, policy=args.scheduling_policy,
-                                  max_model_len=args.max_model_len),
-        device=device,
-        dtype=args.dtype,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
+    # The same loading path as wllm.LLM (tokenizer resolution, EOS ids from generation_config).
+    engine = LLMEngine.from_pretrained(
+        source, tokenizer=args.tokenizer, load_format=args.load_format, revision=args.revision,
+        device=_resolve_device(args.device), dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,
+        enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, max_waiting=args.max_queue, policy=args.scheduling_policy,
+        max_model_len=args.max_model_len,
     )
-    engine = AsyncEngine(LLMEngine(loaded.model, tokenizer, config))
-    engine.start()
-    return engine, source
+    if engine.tokenizer is None:
+        raise ValueError(f"{source} has no tokenizer files; pass --tokenizer <folder or .gguf>")
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    return async_engine, source
 
 
 def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
