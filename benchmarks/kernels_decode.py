@@ -20,6 +20,7 @@ import torch
 from wllm import kernels
 from wllm.bench.floors import H200
 from wllm.bench.timing import cuda_time_ms
+from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import ops, reference
 
 COPY_FLOOR_GBS = H200.bandwidth / 1e9  # measured ceiling (wllm.bench.floors)
@@ -31,15 +32,7 @@ def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
 
 def graphed(fn):
     """fn captured in a CUDA graph; returns a callable that replays it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return capture_graph(fn)[0].replay
 
 
 def main() -> int:

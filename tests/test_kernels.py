@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from wllm import kernels
+from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import _lib, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -201,14 +202,7 @@ def test_kernels_inside_cuda_graph() -> None:
         kernels.rotary_embedding(pos, q, None, head_size, cache, True)
         return kernels.rms_norm(res, w, 1e-6)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for trial in range(3):
         x.copy_(torch.randn_like(x))
         res.copy_(torch.randn_like(res))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from wllm import kernels
+from wllm.engine.cuda_graphs import capture_graph
 from wllm.engine.paged_attention import PagedAttentionContext, allocate_kv_cache
 from wllm.kernels import ops, reference
 
@@ -305,14 +306,7 @@ def test_kv_write_and_decode_inside_cuda_graph(num_splits: int) -> None:
         return kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 0.09,
                                               max_seq_len=max_seq_len, num_splits=num_splits, workspace=workspace)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for trial, seq_lens in enumerate([[1, 17, 1024, 0, 300, 5], [1000, 2, 0, 0, 64, 513], [0] * 6]):
         perm = torch.randperm(num_blocks - 1, device="cuda")[: num_seqs * max_blocks].view(num_seqs, max_blocks)
         tables.copy_(perm.int())

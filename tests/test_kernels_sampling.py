@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from wllm import kernels
+from wllm.engine.cuda_graphs import capture_graph
 from wllm.engine.sampler import Sampler, SamplingRow, _apply_penalties, _filter
 from wllm.kernels import reference
 from wllm.sampling_params import SamplingParams
@@ -243,14 +244,7 @@ def test_sample_inside_cuda_graph() -> None:
     def step():
         return kernels.sample(logits, **packed, return_logprobs=False)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tok, lp, _ = step()
+    graph, (tok, lp, _) = capture_graph(step)
     for trial in range(3):
         logits.copy_(torch.randn_like(logits) * 3)
         packed["params_i64"][:, 2] += 1  # next position

@@ -15,14 +15,34 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # fp64 [2, B]: row 0 the sampled token ids (exact in fp64), row 1 their logprobs. One tensor, so a
 # replayed step comes back to the host in one copy.
 GraphOutputs = torch.Tensor
+
+
+def capture_graph(fn: Callable[[], T], pool: Any = None,
+                  device: torch.device | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture fn() in a CUDA graph; returns the graph and fn's static outputs (rewritten by each
+    replay). fn runs once first on a side stream: lazy initialisation (cuBLAS handles, workspaces)
+    must not happen inside a capture."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        fn()
+    current.wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -65,21 +85,9 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        current = torch.cuda.current_stream(self.device)
         for b in reversed(self.sizes):
             prepare(b)
-            # Warm up outside capture on a side stream (lazy initialisation such as cuBLAS handles
-            # and workspaces must not happen inside a graph), then capture.
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                forward(b)
-            current.wait_stream(side)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = forward(b)
-            self._graphs[b] = (graph, outputs)
+            self._graphs[b] = capture_graph(lambda b=b: forward(b), pool=pool, device=self.device)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
