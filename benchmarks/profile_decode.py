@@ -69,6 +69,65 @@ def main() -> None:
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]
     for name, times in ranked:
         print(f"{name[:70]:70} {len(times) / args.steps:10.1f} {sum(times) / args.steps:9.1f}")
+    # Host side: CUDA runtime calls the engine loop makes (graph launch, copies, the sync).
+    runtime: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cuda"):
+            runtime[e.name].append(e.cpu_time_total)
+    print(f"\n{'CUDA runtime call (host)':70} {'calls/step':>10} {'us/step':>9}")
+    for name, times in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"{name[:70]:70} {len(times) / args.steps:10.1f} {sum(times) / args.steps:9.1f}")
+    phases(engine, prompt[0], args.steps)
+
+
+def phases(engine, prompt: list[int], steps: int) -> None:  # noqa: ANN001 - LLMEngine
+    """Host time per decode step by phase, profiler off: the engine's methods wrapped in timers,
+    the stream sync timed separately (the GPU runs while the host waits there)."""
+    import functools
+
+    totals: dict[str, float] = defaultdict(float)
+
+    def timed(obj, name: str, label: str) -> None:  # noqa: ANN001
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[label] += time.perf_counter() - t0
+        setattr(obj, name, wrapper)
+
+    timed(engine.scheduler, "schedule", "schedule")
+    timed(engine.runner, "execute", "execute (incl. sync)")
+    timed(engine.scheduler, "update_from_output", "update_from_output")
+    timed(engine, "_process_text", "detokenize + stop strings")
+    timed(engine, "_make_output", "make outputs")
+    sync_orig = torch.cuda.Stream.synchronize
+
+    def sync(self):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        try:
+            return sync_orig(self)
+        finally:
+            totals["  of which: waiting in stream sync"] += time.perf_counter() - t0
+    torch.cuda.Stream.synchronize = sync
+    engine.add_request("phases", prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    totals.clear()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - t0
+    torch.cuda.Stream.synchronize = sync_orig
+    while engine.has_unfinished():
+        engine.step()
+    print(f"\nhost phases per decode step (profiler off): wall {wall / steps * 1e6:.0f} us")
+    for label, t in totals.items():
+        print(f"  {label:45} {t / steps * 1e6:8.1f} us")
 
 
 if __name__ == "__main__":
