@@ -1,0 +1,150 @@
+"""Where does the offline-throughput run's time go? Steps by kind, then kernels by kind.
+
+Runs the issue's throughput workload (N requests of P random prompt tokens, O output tokens, EOS
+ignored, greedy) on random weights in a real shape through `LLMEngine.step()`, and prints:
+1. wall time split by step kind (steps with prefill tokens vs pure decode steps), steps, tokens
+   and batch sizes of each kind, host time per step outside the stream sync;
+2. a second, profiled run: GPU kernel time by kernel family (GEMM, attention, norms, ...), and the
+   share of the wall time the GPU was idle.
+
+    python benchmarks/profile_throughput.py --shape llama-3.1-8b [--requests 256] [--prompt 512] [--output 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from wllm import LLM, SamplingParams
+
+FAMILIES = (  # first match wins
+    ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "splitKreduce", "gemv")),
+    ("prefill attention", ("prefill",)),
+    ("decode attention", ("paged_decode", "merge_splits")),
+    ("norm", ("rms_norm",)),
+    ("rotary + kv write", ("rotary", "reshape_and_cache", "rope")),
+    ("activation", ("act_and_mul",)),
+    ("sampling", ("sample", "softmax", "argmax")),
+    ("copies", ("copy", "Memcpy", "memcpy", "gather", "index")),
+)
+
+
+def family(name: str) -> str:
+    for fam, keys in FAMILIES:
+        if any(k in name for k in keys):
+            return fam
+    return "other"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool) -> tuple[float, dict]:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{time.monotonic_ns()}-{i}", p, params)
+    kinds: dict[str, list[float]] = defaultdict(list)
+    tokens: dict[str, int] = defaultdict(int)
+    seqs: dict[str, int] = defaultdict(int)
+    sync_wait = [0.0]
+    orig = torch.cuda.Stream.synchronize
+
+    def timed_sync(self):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        try:
+            return orig(self)
+        finally:
+            sync_wait[0] += time.perf_counter() - t0
+
+    if record:
+        torch.cuda.Stream.synchronize = timed_sync
+    sched = engine.scheduler
+    schedule = sched.schedule
+    last: list = [None]
+
+    def spy():  # noqa: ANN202
+        out = schedule()
+        last[0] = out
+        return out
+
+    sched.schedule = spy
+    _sync()
+    start = time.perf_counter()
+    try:
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t0
+            out = last[0]
+            if out is None or not out.seqs:
+                continue
+            kind = "decode" if all(len(s.token_ids) == 1 for s in out.seqs) else "prefill/mixed"
+            kinds[kind].append(dt)
+            tokens[kind] += out.num_batched_tokens
+            seqs[kind] += len(out.seqs)
+        _sync()
+    finally:
+        torch.cuda.Stream.synchronize = orig
+        sched.schedule = schedule
+    wall = time.perf_counter() - start
+    return wall, {"kinds": kinds, "tokens": tokens, "seqs": seqs, "sync_wait": sync_wait[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--no-profile", action="store_true")
+    args = parser.parse_args()
+
+    llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.6)
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(n: int) -> list[list[int]]:
+        return torch.randint(0, 1000, (n, args.prompt), generator=gen).tolist()
+
+    run_workload(llm, prompts(32), 8, record=False)  # warm-up
+    wall, info = run_workload(llm, prompts(args.requests), args.output, record=True)
+    print(f"{args.shape}: {args.requests} x ({args.prompt} + {args.output}), greedy, EOS ignored")
+    print(f"wall {wall:.3f} s; host waited in stream syncs {info['sync_wait']:.3f} s "
+          f"(host busy {wall - info['sync_wait']:.3f} s)")
+    print(f"{'step kind':15} {'steps':>6} {'total s':>8} {'ms/step':>8} {'tokens':>8} {'mean seqs':>9}")
+    for kind, times in info["kinds"].items():
+        n = len(times)
+        print(f"{kind:15} {n:6d} {sum(times):8.3f} {1e3 * sum(times) / n:8.2f} {info['tokens'][kind]:8d} "
+              f"{info['seqs'][kind] / n:9.1f}")
+    if args.no_profile:
+        return
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run_workload(llm, prompts(args.requests), args.output, record=False)
+        pwall = time.perf_counter() - t0
+    by_family: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        d = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+        by_family[family(e.name)] += d
+        by_name[e.name] += d
+    busy = sum(by_family.values()) / 1e6
+    idle = 100 * (1 - busy / pwall)
+    print(f"\nprofiled run: wall {pwall:.3f} s, GPU kernel time {busy:.3f} s, GPU idle {idle:.1f} %")
+    for fam, us in sorted(by_family.items(), key=lambda kv: -kv[1]):
+        print(f"  {fam:20} {us / 1e6:8.3f} s")
+    print("top kernels:")
+    for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {name[:80]:80} {us / 1e6:8.3f} s")
+
+
+if __name__ == "__main__":
+    main()
