@@ -51,7 +51,9 @@ __device__ __forceinline__ bool locate_tile(const Params& p, int bm, Tile& t) {
   t.q_len = p.query_start_loc[lo + 1] - t.q_begin;
   t.m0 = (idx - (t.q_begin / bm + lo)) * bm;
   t.ctx = p.seq_lens[lo];
-  return t.m0 < t.q_len;
+  // m0 < 0: a tile in front of the first sequence, whose query_start_loc need not be 0 (the
+  // caller may hand over q rows of other sequences before it, e.g. the decode rows of a mixed step).
+  return t.m0 >= 0 && t.m0 < t.q_len;
 }
 
 // Keys the rows [m0, m0 + rows) can see, as n_tiles tiles of bn keys from first_n0.

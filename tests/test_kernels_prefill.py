@@ -295,3 +295,21 @@ def test_prefill_cuda_rejects_unsupported_head_size() -> None:
     with pytest.raises(ValueError, match="head size 48 has no CUDA kernel"):
         kernels.paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                         case.query_start_loc, 1.0 / math.sqrt(48))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_cuda_leading_rows_of_other_sequences(dtype: torch.dtype) -> None:
+    """The engine's mixed steps hand the prefill kernel q with the decode rows in front:
+    query_start_loc[0] > 0. Those rows must stay untouched; the others match the reference."""
+    case = make_case(MIXED_Q, MIXED_PREFIX, 8, 2, 128, 16, dtype, "cuda", seed=15, poison=True)
+    n = 3
+    lead = int(case.query_start_loc[n])
+    out = torch.full(case.q.shape, 123.0, dtype=dtype, device="cuda")
+    args = (case.block_tables[n:], case.seq_lens[n:], case.query_start_loc[n:])
+    kernels.paged_prefill_attention(case.q, case.k_cache, case.v_cache, *args, 128**-0.5, out=out)
+    torch.cuda.synchronize()
+    want = reference.paged_prefill_attention(case.q, case.k_cache, case.v_cache, *args, 128**-0.5)
+    assert lead > 0 and torch.all(out[:lead] == 123.0), "rows of the leading sequences were written"
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out[lead:].float(), want[lead:].float(), rtol=rtol, atol=atol)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
 import numpy as np
 import torch
 from torch import nn
@@ -206,6 +207,14 @@ class CudaStepRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
         """Run one step's forward and sampling; returns each sequence's sampled tokens and prompt logprobs."""
         seqs = out.seqs
+        num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
+        if 0 < num_decode < len(seqs):
+            # Mixed step: single-token sequences first, so attention sends them to the decode
+            # kernel (see CudaAttentionContext); results are keyed by sequence id, order is free.
+            seqs = [s for s in seqs if len(s.token_ids) == 1] + [s for s in seqs if len(s.token_ids) != 1]
+            out = msgspec.structs.replace(out, seqs=seqs)
+        else:
+            num_decode = 0
         rows: list[SamplingRow] = []
         owners: list[str] = []
         sample_hidden_rows: list[int] = []
@@ -262,7 +271,7 @@ class CudaStepRunner:
             layout.upload()
             tokens, logprobs, prompt_mat, sample_mat = self._eager(layout, out, t, one_token, longest, sampling,
                                                                    rows, prompt_rows, sample_hidden_rows,
-                                                                   want_logprobs)
+                                                                   want_logprobs, num_decode)
             self.num_eager_steps += 1
 
         # The one device-to-host sync of the step: token ids, their logprobs, logprob matrices.
@@ -283,7 +292,7 @@ class CudaStepRunner:
 
     def _eager(self, layout: StageLayout, out: SchedulerOutput, num_tokens: int, decode: bool, longest: int,
                sampling: dict[str, torch.Tensor | None], rows: list[SamplingRow], prompt_rows: list[int],
-               sample_hidden_rows: list[int], want_logprobs: list[int],
+               sample_hidden_rows: list[int], want_logprobs: list[int], num_decode: int = 0,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         inp = self.inputs
         num_seqs = len(out.seqs)
@@ -295,7 +304,8 @@ class CudaStepRunner:
                 workspace = self.workspace
         d = layout.dev
         ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
-                                   decode=decode, max_seq_len=max(longest, 1), workspace=workspace)
+                                   decode=decode, max_seq_len=max(longest, 1), workspace=workspace,
+                                   num_decode_seqs=num_decode)
         hidden = self.model(d["input_ids"], d["positions"], ctx)
         logit_rows = prompt_rows + sample_hidden_rows
         if logit_rows == list(range(num_tokens)):
