@@ -160,3 +160,32 @@ def test_window_stays_small(smollm2, monkeypatch):
     monkeypatch.undo()
     assert text == smollm2.decode(ids)
     assert max(sizes) <= 12 and sum(sizes) < 6 * len(ids)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "spm_tok"])
+def test_deferred_text_state_matches_step_by_step(which, request):
+    """Final-only requests collect ids and decode once at the end: same text as one decode per token,
+    for random streams with partial characters, byte tokens and special tokens, after a prompt."""
+    from wllm.engine.stop_checker import TextState
+    from wllm.sampling_params import SamplingParams
+
+    tok = request.getfixturevalue(which)
+    rng = random.Random(99)
+    specials = sorted(tok.all_special_ids)
+    for _ in range(60):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 8))]
+        ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(tok.vocab_size)
+               for _ in range(rng.randrange(1, 30))]
+        for skip in (True, False):
+            params = SamplingParams(skip_special_tokens=skip)
+            step, deferred = TextState(tok, prompt, params), TextState(tok, prompt, params, defer=True)
+            for n, i in enumerate(ids, 1):
+                step.append(i, n)
+                assert deferred.append(i, n) is None
+            assert deferred.text == "", "deferred text is decoded only at the end"
+            step.flush()
+            assert deferred.visible_text(finished=True) == step.visible_text(finished=True), (prompt, ids, skip)
+    # Stop strings need the text as it grows: no deferral then.
+    stop = TextState(tok, [], SamplingParams(stop=["fox"]), defer=True)
+    hits = [stop.append(i, n) for n, i in enumerate(tok.encode("The quick brown fox"), 1)]
+    assert "fox" in hits and stop.text == "The quick brown "

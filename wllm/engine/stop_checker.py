@@ -18,13 +18,17 @@ from wllm.sampling_params import SamplingParams
 class TextState:
     """The decoded text of one sequence and its stop-string state."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """`tokenizer` needs `decode(ids, skip_special_tokens)`."""
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+                 defer: bool = False) -> None:
+        """`tokenizer` needs `decode(ids, skip_special_tokens)`. `defer` (honoured only without stop
+        strings): nobody reads the text before the sequence ends, so tokens are only collected and
+        decoded in one call at `flush()` instead of one decode per token."""
         self.params = params
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.text = ""  # everything decoded so far (cut at the stop string once one matches)
         self.stopped_by: str | None = None
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._deferred: list[int] | None = [] if defer and not params.stop else None
 
     def append(self, token_id: int, num_output_tokens: int, decode_token: bool = True) -> str | None:
         """Add one generated token; returns the stop string if one now matches.
@@ -33,6 +37,9 @@ class TextState:
         part of the output text).
         """
         if not decode_token:
+            return None
+        if self._deferred is not None:
+            self._deferred.append(token_id)
             return None
         old_len = len(self.text)
         self.text += self._detok.add(token_id)
@@ -54,12 +61,17 @@ class TextState:
 
     def flush(self) -> None:
         """Emit what an incomplete character was holding back (at the end of a sequence)."""
+        if self._deferred:
+            self.text += self._detok.add_many(self._deferred)
+            self._deferred = []
         if self.stopped_by is None:
             self.text += self._detok.flush()
 
     def visible_text(self, finished: bool) -> str:
         """The text a client may see now: the tail that could still grow into a stop string is
         held back until the sequence finishes or the tail stops matching."""
+        if finished and self._deferred:
+            self.flush()
         if finished or not self.params.stop or self.stopped_by is not None:
             return self.text
         text = self.text
