@@ -95,6 +95,22 @@ WLLM_API int WLLM_FN(wllm_reshape_and_cache)(const void* key, const void* value,
                                              int64_t cache_block_stride, int64_t cache_token_stride,
                                              int64_t cache_head_stride, int dtype, void* stream);
 
+// Rotary embedding fused with the KV-cache write (one launch instead of wllm_rotary_embedding +
+// wllm_reshape_and_cache): rotates q [num_tokens, num_heads, head_size] in place exactly as
+// wllm_rotary_embedding does, and writes the rotated key and the value [num_tokens, num_kv_heads,
+// head_size] into key_cache/value_cache at slot_mapping[t] as wllm_reshape_and_cache does (slots < 0
+// or >= num_blocks * block_size are skipped; q of such rows is still rotated). key is only read: the
+// rotated keys exist only in the cache. q/key/value take token and head strides (head dims
+// contiguous), so views straight out of a fused qkv projection need no copy; caches as above.
+// Any head_size and even rot_dim <= head_size; 16-byte accesses when pointers and strides allow.
+WLLM_API int WLLM_FN(wllm_rotary_and_cache)(
+    const int64_t* positions, void* q, const void* key, const void* value, void* key_cache, void* value_cache,
+    const int64_t* slot_mapping, const float* cos_sin_cache, int64_t num_tokens, int num_heads, int num_kv_heads,
+    int head_size, int rot_dim, int block_size, int64_t num_blocks, int64_t max_position, int64_t q_token_stride,
+    int64_t q_head_stride, int64_t key_token_stride, int64_t key_head_stride, int64_t value_token_stride,
+    int64_t value_head_stride, int64_t cache_block_stride, int64_t cache_token_stride, int64_t cache_head_stride,
+    int is_neox, int dtype, void* stream);
+
 // Copies whole blocks between two caches (or inside one): for each (src, dst) pair of `pairs`
 // (int64 [num_pairs, 2], HOST memory), block_bytes contiguous bytes at src + plane * src_plane_stride +
 // src * src_block_stride go to the same plane of dst, for num_planes planes (layers x K/V). Either

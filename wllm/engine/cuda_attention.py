@@ -1,26 +1,30 @@
 """`AttentionContext` on CUDA: the paged KV cache through the prebuilt kernels.
 
 Each layer's `attend` writes the new keys and values into their slots with `reshape_and_cache`
-(slot -1 = a padding row, skipped), then runs `paged_decode_attention` when every sequence has
-exactly one new token, and `paged_prefill_attention` otherwise (it handles prefill chunks, prefix
-hits and decode tokens in one mixed batch). In a mixed batch whose first `num_decode_seqs`
-sequences have one new token each, those rows go to the decode kernel instead: the prefill kernel
-gives every query row a whole 64-128-row tensor-core tile, so a decode row inside it costs as much
-as a full prefill tile over its context (the throughput workload's mixed steps carry ~140 decode
-rows next to ~7,800 prefill rows, and spent 0.73 s of 6.2 s in prefill attention). Sliding
-window, logit soft-capping and grouped-query attention go straight to the kernels. All metadata
-are device tensors prepared by the runner, so the same context object can be captured in a CUDA
-graph and replayed with new contents.
+(slot -1 = a padding row, skipped); `attend_rotary` instead rotates q and k and writes k/v in one
+kernel (`rotary_and_cache`), saving a launch per layer. Either then runs `paged_decode_attention`
+when every sequence has exactly one new token, and `paged_prefill_attention` otherwise (it handles
+prefill chunks, prefix hits and decode tokens in one mixed batch). In a mixed batch whose first
+`num_decode_seqs` sequences have one new token each, those rows go to the decode kernel instead:
+the prefill kernel gives every query row a whole 64-128-row tensor-core tile, so a decode row
+inside it costs as much as a full prefill tile over its context (the throughput workload's mixed
+steps carry ~140 decode rows next to ~7,800 prefill rows, and spent 0.73 s of 6.2 s in prefill
+attention). Sliding window, logit soft-capping and grouped-query attention go straight to the
+kernels. All metadata are device tensors prepared by the runner, so the same context object can
+be captured in a CUDA graph and replayed with new contents.
 
 Cache layout as in paged_attention.py: `[num_layers, 2, num_blocks, block_size, Hkv, D]`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from wllm.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from wllm.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache, rotary_and_cache
 from wllm.kernels.ops import DECODE_HEAD_SIZES, PREFILL_HEAD_SIZES
+from wllm.model.layers.rotary import RotaryEmbedding
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -97,6 +101,38 @@ class CudaAttentionContext:
             raise ValueError("the paged CUDA attention is causal only; encoder models run without the engine")
         key_cache, value_cache = self.caches[layer_idx]
         reshape_and_cache(k, v, key_cache, value_cache, self.slot_mapping)
+        return self._attention(q, key_cache, value_cache, scale, sliding_window, logit_softcap)
+
+    def attend_rotary(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        *,
+        scale: float,
+        causal: bool = True,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """`rotary(positions, q, k)` then `attend`, with the rotation and the KV write in one kernel
+        (q rotated in place; k is left unrotated: the rotated keys exist only in the cache)."""
+        if type(rotary) is not RotaryEmbedding:  # a subclass or other callable may rotate differently
+            rotary(positions, q, k)
+            return self.attend(layer_idx, q, k, v, scale=scale, causal=causal, sliding_window=sliding_window,
+                               logit_softcap=logit_softcap)
+        if not causal:
+            raise ValueError("the paged CUDA attention is causal only; encoder models run without the engine")
+        key_cache, value_cache = self.caches[layer_idx]
+        rotary_and_cache(positions, q, k, v, key_cache, value_cache, self.slot_mapping,
+                         rotary.cos_sin_cache(positions.device), rotary.is_neox)
+        return self._attention(q, key_cache, value_cache, scale, sliding_window, logit_softcap)
+
+    def _attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+                   sliding_window: int | None, logit_softcap: float | None) -> torch.Tensor:
+        """Attention of q over the cache, which already holds this step's keys and values."""
         if self.decode:
             return paged_decode_attention(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale,
                                           max_seq_len=self.max_seq_len, sliding_window=sliding_window,

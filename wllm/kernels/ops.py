@@ -724,3 +724,86 @@ def pack_sampling_rows(rows: Sequence, device: torch.device | str = "cpu") -> di
     out["penalty_tokens"] = t(pen_tok, torch.int32) if has_pen else None
     out["penalty_counts"] = t(pen_cnt, torch.int32) if has_pen else None
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding fused with the KV-cache write
+# ---------------------------------------------------------------------------------------------
+
+
+def _head_view(t: torch.Tensor, head_size: int, what: str) -> torch.Tensor:
+    """[T, H, D] view (no copy) of a [T, H, D] or [T, H * D] tensor with a contiguous last dim."""
+    if t.dim() == 2 and t.shape[1] % head_size == 0:
+        t = t.unflatten(-1, (-1, head_size))
+    if t.dim() != 3 or t.shape[2] != head_size or t.stride(-1) != 1:
+        raise ValueError(f"rotary_and_cache: {what} {tuple(t.shape)} is not [T, H, {head_size}] or "
+                         f"[T, H * {head_size}] with a contiguous last dim")
+    return t
+
+
+def _cuda_rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    what = "rotary_and_cache"
+    _check_same(what, key_cache, q, k, v, value_cache)
+    code = _dtype_code(key_cache, what)
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError(f"{what}: caches must both be [num_blocks, block_size, Hkv, D] with the same strides")
+    if key_cache.stride(-1) != 1:
+        raise ValueError(f"{what}: the caches' head dims must be contiguous")
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    q3, k3, v3 = _head_view(q, head_size, "q"), _head_view(k, head_size, "k"), _head_view(v, head_size, "v")
+    num_tokens = q3.shape[0]
+    if k3.shape != (num_tokens, num_kv_heads, head_size) or v3.shape != k3.shape:
+        raise ValueError(f"{what}: k {tuple(k3.shape)} and v {tuple(v3.shape)} must be [{num_tokens}, "
+                         f"{num_kv_heads}, {head_size}] to match q and the cache")
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise TypeError(f"{what}: positions and slot_mapping must be int64")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"{what}: positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} "
+                         f"must be [{num_tokens}]")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] > head_size:
+        raise ValueError(f"{what}: cos_sin_cache must be float32 [max_position, rot_dim <= {head_size}]")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping), ("cos_sin_cache", cos_sin_cache)):
+        if t.device != q.device:
+            raise ValueError(f"{what}: {name} is on {t.device} but q on {q.device}")
+    table = cos_sin_cache.contiguous()
+    lib = _lib.binding(q.device.index or 0)
+    lib.check(lib.wllm_rotary_and_cache(
+        positions.contiguous().data_ptr(), q3.data_ptr(), k3.data_ptr(), v3.data_ptr(), key_cache.data_ptr(),
+        value_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), table.data_ptr(), num_tokens, q3.shape[1],
+        num_kv_heads, head_size, table.shape[1], block_size, num_blocks, table.shape[0], q3.stride(0), q3.stride(1),
+        k3.stride(0), k3.stride(1), v3.stride(0), v3.stride(1), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), int(is_neox), code, _stream(q)), what)
+
+
+@torch.library.custom_op("wllm::rotary_and_cache", mutates_args=("q", "key_cache", "value_cache"))
+def rotary_and_cache_op(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    if q.is_cuda:
+        _cuda_rotary_and_cache(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox)
+    else:
+        reference.rotary_and_cache(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox)
+
+
+@rotary_and_cache_op.register_fake
+def _(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
+      value_cache: torch.Tensor, slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    return None
+
+
+def rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """rotary_embedding + reshape_and_cache in one kernel: q ([T, Hq, D] or [T, Hq * D]) is rotated in
+    place; k and v ([T, Hkv, D] or [T, Hkv * D], any token/head strides, e.g. views of a fused qkv
+    output) go into one layer's caches [num_blocks, block_size, Hkv, D] at slot_mapping (int64 [T];
+    -1 is skipped), k rotated on the way. k itself is not modified: read rotated keys from the cache.
+    cos_sin_cache is the fp32 [max_position, rot_dim] table of rotary_embedding (rot_dim <= D)."""
+    if not q.is_cuda:
+        reference.rotary_and_cache(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox)
+    elif _is_compiling():
+        rotary_and_cache_op(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox)
+    else:
+        _cuda_rotary_and_cache(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox)

@@ -117,6 +117,20 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
 
 
+def rotary_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool) -> None:
+    """rotary_embedding of q in place and of a copy of k, then reshape_and_cache of that rotated k
+    and v; k itself is left unchanged. q [T, Hq, D] or [T, Hq * D], k/v [T, Hkv, D] or [T, Hkv * D]
+    (any strides), caches [num_blocks, block_size, Hkv, D]."""
+    num_tokens, head_size = q.shape[0], key_cache.shape[3]
+    q_rot = q.reshape(num_tokens, -1, head_size).clone()
+    k_rot = k.reshape(num_tokens, -1, head_size).clone()
+    rotary_embedding(positions, q_rot, k_rot, head_size, cos_sin_cache, is_neox)
+    q.copy_(q_rot.view(q.shape))
+    reshape_and_cache(k_rot, v.reshape(num_tokens, -1, head_size), key_cache, value_cache, slot_mapping)
+
+
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block_dim: int = 2) -> None:
     """dst[..., d, ...] = src[..., s, ...] along block_dim for every (s, d) row of pairs [N, 2]."""
     if pairs.numel() == 0:

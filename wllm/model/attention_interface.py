@@ -6,12 +6,19 @@ q/k/v and calls `ctx.attend(layer_idx, q, k, v, ...)`. The context knows which t
 to which sequence, where their K/V go (contiguous per-sequence tensors in tests, paged blocks
 in the engine) and computes attention over everything cached so far plus the new tokens.
 
+Layers with rotary embeddings call `attend_with_rotary(ctx, layer_idx, q, k, v, positions,
+rotary, ...)` instead. A context may implement the optional `attend_rotary` method (see
+`RotaryAttentionContext`) to rotate and store in one step (the CUDA context fuses the rotary
+kernel into the KV-cache write); any other context gets `rotary(positions, q, k)` followed by
+`attend`, so a context that only has `attend` keeps working unchanged.
+
 Shapes: q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]; the result is
 [T, num_heads, head_dim]. Tokens of one sequence are contiguous in T and in position order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -38,3 +45,54 @@ class AttentionContext(Protocol):
         (HF semantics). `logit_softcap` = c applies c * tanh(scores / c) before softmax.
         """
         ...
+
+
+class RotaryAttentionContext(AttentionContext, Protocol):
+    """A context that also applies the rotary embedding itself (optional; see attend_with_rotary)."""
+
+    def attend_rotary(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        *,
+        scale: float,
+        causal: bool = True,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Same result as `rotary(positions, q, k)` then `attend(...)`.
+
+        `rotary` is the model's `RotaryEmbedding` (a context may read its cos/sin table and style
+        to fuse the rotation into the KV write). q may be rotated in place; k may or may not be, so
+        the caller must not read k afterwards.
+        """
+        ...
+
+
+def attend_with_rotary(
+    ctx: AttentionContext,
+    layer_idx: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    *,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Rotate q and k by their positions and attend: `ctx.attend_rotary` when the context has one,
+    else `rotary(positions, q, k)` (in place) followed by `ctx.attend`. Do not read k afterwards."""
+    fused = getattr(ctx, "attend_rotary", None)
+    if fused is not None:
+        return fused(layer_idx, q, k, v, positions, rotary, scale=scale, causal=causal,
+                     sliding_window=sliding_window, logit_softcap=logit_softcap)
+    rotary(positions, q, k)
+    return ctx.attend(layer_idx, q, k, v, scale=scale, causal=causal, sliding_window=sliding_window,
+                      logit_softcap=logit_softcap)

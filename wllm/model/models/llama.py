@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from wllm.model.attention_interface import AttentionContext
+from wllm.model.attention_interface import AttentionContext, attend_with_rotary
 from wllm.model.config import ModelConfig
 from wllm.model.layers import (
     GatedMLP,
@@ -59,12 +59,15 @@ class DecoderAttention(nn.Module):
             # Norm over each head: [T * heads, head_dim] rows for the kernel.
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(n, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(n, self.num_kv_heads, self.head_dim)
-        self.rotary(positions, q, k)
-        out = ctx.attend(
+        # The context may fuse the rotation into its KV-cache write (one kernel on CUDA).
+        out = attend_with_rotary(
+            ctx,
             self.layer_idx,
             q,
             k,
             v,
+            positions,
+            self.rotary,
             scale=self.scale,
             causal=True,
             sliding_window=self.sliding_window,
