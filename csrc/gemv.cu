@@ -313,6 +313,9 @@ int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
                 "gemv: cannot configure the kernel (%zu bytes of shared memory): %s", smem, cudaGetErrorString(err));
   }
   if (per_sm < 1) per_sm = 1;
+  // Each resident CTA recomputes act(gate) * up for all of K (two special-function ops per element,
+  // 16 per clock per SM): fewer, longer-lived CTAs keep that redundant work small.
+  if (PRO != PROLOGUE_NONE && per_sm > 2) per_sm = 2;
   const int64_t needed = (p.tasks + groups - 1) / groups;
   const int64_t resident = static_cast<int64_t>(dev.sms) * per_sm;
   const int grid = static_cast<int>(needed < resident ? needed : resident);

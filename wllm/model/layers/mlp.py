@@ -22,6 +22,12 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
 }
 
+# Up to this many rows, the activation runs inside the down projection's skinny GEMM (no separate
+# act_and_mul kernel). Each CTA of that kernel recomputes the activation for its own copy of x, a
+# cost that grows with the rows; above this the separate kernel is cheaper. Tune with
+# benchmarks/kernels_gemv.py (the "down+act" rows).
+GEMV_MAX_FUSED_ROWS = 4
+
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
 _FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
                           "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
@@ -54,7 +60,8 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.fused_act is not None and gate_up.is_cuda and kernels_available(gate_up.device.index or 0):
             down = self.down_proj
-            if down.use_gemv(gate_up, 2 * down.in_features):
+            few_rows = gate_up.numel() <= GEMV_MAX_FUSED_ROWS * gate_up.shape[-1]
+            if few_rows and down.use_gemv(gate_up, 2 * down.in_features):
                 return gemv(gate_up, down.weight, down.bias, self.fused_act)
             return down(act_and_mul(gate_up, self.fused_act))
         gate, up = self.gate_up_proj.split(gate_up)
