@@ -171,3 +171,16 @@ WLLM_API int WLLM_FN(wllm_sample)(float* logits, int64_t num_rows, int64_t vocab
                                   const int32_t* penalty_tokens, const int32_t* penalty_counts, float* saved,
                                   int64_t* out_tokens, float* out_logprobs, float* raw_logprobs,
                                   int64_t raw_logprobs_stride, void* stream);
+
+// Skinny GEMM for decode (gemv.cu): out[r, n] = sum_k in[r, k] * weight[n, k] (+ bias[n]) for r < rows, with
+// fp32 accumulation, rounded once to the dtype (fp16 or bf16 only). weight is [out_features, in_features]
+// (nn.Linear's layout), rows weight_row_stride apart; bias (optional, NULL for none) has out_features
+// elements. prologue 0: in = x, x rows hold in_features elements. prologue 1 (SiLU) or 2 (tanh-GELU): x rows
+// are [gate | up] (2 * in_features elements) and in = round(act(gate) * up), as wllm_act_and_mul would
+// produce it. Strides in elements. Meant for a few rows (decode, 1..16): it reads the weight once per 16
+// rows. Fastest with 16-byte aligned weight and x, in_features and the row strides multiples of 8; any
+// layout works. One row of x must fit in the GPU's shared memory (in_features up to ~24K on every GPU).
+WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, const void* bias, int64_t rows,
+                                int64_t out_features, int64_t in_features, int64_t out_row_stride,
+                                int64_t x_row_stride, int64_t weight_row_stride, int prologue, int dtype,
+                                void* stream);

@@ -55,6 +55,9 @@ SIGNATURES: dict[str, list] = {
                                     c_int64, c_int64, c_float, c_int, c_float, c_int, c_void_p, c_int64, c_int,
                                     c_void_p],
     "wllm_act_and_mul": [c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int, c_int, c_void_p],
+    # Skinny GEMM for decode (gemv.cu).
+    "wllm_gemv": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,
+                  c_int, c_int, c_void_p],
     "wllm_sample": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                     c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p],
 }

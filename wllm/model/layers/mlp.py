@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wllm.kernels import act_and_mul
+from wllm.kernels import act_and_mul, gemv
 from wllm.kernels import available as kernels_available
 from wllm.model.layers.linear import Linear, MergedLinear
 
@@ -21,6 +21,12 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+
+# Up to this many rows, the activation runs inside the down projection's skinny GEMM (no separate
+# act_and_mul kernel). Each CTA of that kernel recomputes the activation for its own copy of x, a
+# cost that grows with the rows; above this the separate kernel is cheaper. Tune with
+# benchmarks/kernels_gemv.py (the "down+act" rows).
+GEMV_MAX_FUSED_ROWS = 4
 
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
 _FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
@@ -39,7 +45,8 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`).
 
     On CUDA (kernel library present) act(gate) * up is one fused kernel over the [gate | up]
-    output; on the CPU it stays in PyTorch, unchanged.
+    output; for decode-sized batches it is fused further, into the down projection's skinny GEMM
+    (no activation kernel at all). On the CPU it stays in PyTorch, unchanged.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
@@ -52,6 +59,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.fused_act is not None and gate_up.is_cuda and kernels_available(gate_up.device.index or 0):
-            return self.down_proj(act_and_mul(gate_up, self.fused_act))
+            down = self.down_proj
+            few_rows = gate_up.numel() <= GEMV_MAX_FUSED_ROWS * gate_up.shape[-1]
+            if few_rows and down.use_gemv(gate_up, 2 * down.in_features):
+                return gemv(gate_up, down.weight, down.bias, self.fused_act)
+            return down(act_and_mul(gate_up, self.fused_act))
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)

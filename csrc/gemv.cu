@@ -1,0 +1,428 @@
+// Skinny GEMM for decode: out[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) for a few rows of x (M ~ 1..16),
+// fp16/bf16 in and out, fp32 accumulation. Optionally x is [M, 2K] = [gate | up] and the kernel uses
+// act(gate) * up as its input (the gated MLP's down projection without a separate activation kernel).
+//
+// Decode reads every weight once per step for a handful of tokens, so this is a bandwidth problem: the
+// kernel makes one pass over W with 16-byte loads, keeps U x ROWS loads in flight per thread, and
+// computes all M rows of x from that single read. Work unit ("task") = ROWS consecutive rows of W over
+// the whole of K, done by a group of `wk` warps that split K and reduce through shared memory, so no
+// second (split-K reduce) kernel is needed. x (after the optional activation, rounded to the dtype as
+// the unfused path would) is staged once per CTA in shared memory; CTAs are persistent over tasks so
+// that staging (and the activation math) is paid per CTA, not per task.
+#include <stdint.h>
+
+#include "common.cuh"
+
+namespace WLLM_NS {
+namespace {
+
+enum GemvPrologue { PROLOGUE_NONE = 0, PROLOGUE_SILU_AND_MUL = 1, PROLOGUE_GELU_TANH_AND_MUL = 2 };
+
+constexpr int kRows = 2;      // rows of W per task
+constexpr int kUnroll = 4;    // chunks per lane loaded before any is used (loads in flight = kUnroll * kRows)
+constexpr int kMaxWarps = 8;  // CTA size is 4 or 8 warps
+
+template <typename T>
+struct GemvParams {
+  T* out;
+  const T* x;
+  const T* w;
+  const T* bias;  // may be null
+  int m;          // rows of x in this launch (<= MAXM of the kernel)
+  int n;
+  int k;
+  int k_pad;  // row pitch of x in shared memory (elements, multiple of 8: keeps 16-byte rows)
+  int64_t ldo;
+  int64_t ldx;
+  int64_t ldw;
+  int wk;     // warps per task (they split K); divides blockDim.x / 32
+  int tasks;  // ceil(n / kRows)
+  int x_vec;  // x rows can be read with 16-byte loads
+};
+
+// act(g) * u in fp32. Both activations are g * sigmoid(z): z = g for SiLU, and for tanh-GELU
+// 0.5 * (1 + tanh(t)) = sigmoid(2t), which avoids the cancellation of 1 + tanh(t) for very negative t.
+// Fast exp/divide: every CTA recomputes this for its copy of x, and the special-function units would
+// otherwise bound the small matrices; the result is rounded to fp16/bf16 right after, far coarser.
+template <int PRO>
+__device__ __forceinline__ float gated(float g, float u) {
+  float z = g;
+  if (PRO == PROLOGUE_GELU_TANH_AND_MUL) z = 1.5957691216057308f * (g + 0.044715f * g * g * g);  // 2*sqrt(2/pi)
+  // For z -> -inf, exp overflows to inf and the approximate division returns 0, the right limit.
+  return __fdividef(g, 1.0f + __expf(-z)) * u;
+}
+
+__device__ __forceinline__ void unpack2(uint32_t w, __nv_bfloat16, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
+__device__ __forceinline__ void unpack2(uint32_t w, __half, float& lo, float& hi) {
+  lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)));
+  hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+}
+
+// VEC consecutive elements of one row: 16 bytes (VEC = 8) or one element (VEC = 1, any alignment).
+template <typename T, int VEC>
+struct Pack;
+
+template <typename T>
+struct Pack<T, 8> {
+  uint4 v;
+  // Weights are read exactly once: bypass L1 so the staged x and other CTAs' lines are not evicted.
+  __device__ __forceinline__ void load_weight(const T* p) {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+  }
+  __device__ __forceinline__ void load_shared(const T* p) { v = *reinterpret_cast<const uint4*>(p); }
+  __device__ __forceinline__ void to_float(float (&f)[8]) const {
+    unpack2(v.x, T(), f[0], f[1]);
+    unpack2(v.y, T(), f[2], f[3]);
+    unpack2(v.z, T(), f[4], f[5]);
+    unpack2(v.w, T(), f[6], f[7]);
+  }
+};
+
+template <typename T>
+struct Pack<T, 1> {
+  T v;
+  __device__ __forceinline__ void load_weight(const T* p) { v = __ldg(p); }
+  __device__ __forceinline__ void load_shared(const T* p) { v = *p; }
+  __device__ __forceinline__ void to_float(float (&f)[1]) const { f[0] = Conv<T>::to_float(v); }
+};
+
+// Writes x (or act(gate) * up) rows 0..m-1 into shared memory, rounded to T.
+template <typename T, int PRO>
+__device__ __forceinline__ void stage_x(T* xs, const GemvParams<T>& p) {
+  const int gate_width = p.k;  // with a prologue, row r of x is [gate (k) | up (k)]
+  if (p.x_vec) {
+    const int per_row = p.k / 8;
+    const int total = p.m * per_row;
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+      const int r = i / per_row;
+      const int c = (i - r * per_row) * 8;
+      const T* src = p.x + r * p.ldx + c;
+      uint4 a = __ldg(reinterpret_cast<const uint4*>(src));
+      if (PRO != PROLOGUE_NONE) {
+        const uint4 b = __ldg(reinterpret_cast<const uint4*>(src + gate_width));
+        T* ga = reinterpret_cast<T*>(&a);
+        const T* ub = reinterpret_cast<const T*>(&b);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          ga[j] = Conv<T>::from_float(gated<PRO>(Conv<T>::to_float(ga[j]), Conv<T>::to_float(ub[j])));
+        }
+      }
+      *reinterpret_cast<uint4*>(xs + r * p.k_pad + c) = a;
+    }
+  } else {
+    const int total = p.m * p.k;
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+      const int r = i / p.k;
+      const int c = i - r * p.k;
+      const T* src = p.x + r * p.ldx + c;
+      T v = src[0];
+      if (PRO != PROLOGUE_NONE) {
+        v = Conv<T>::from_float(gated<PRO>(Conv<T>::to_float(v), Conv<T>::to_float(src[gate_width])));
+      }
+      xs[r * p.k_pad + c] = v;
+    }
+  }
+}
+
+// Grid: persistent CTAs of 4 or 8 warps; warps [g * wk, (g + 1) * wk) form group g. Group g of CTA b
+// takes tasks b * groups + g, then + gridDim.x * groups, ... Lane l of warp kw in a group takes chunks
+// (VEC elements) kw * 32 + l, + 32 * wk, ... of the task's rows.
+// Shared memory: x [m][k_pad] of T, then the reduction buffer float [2][warps][MAXM * kRows].
+template <typename T, int PRO, int MAXM, int VEC>
+__global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParams<T> p) {
+  constexpr int MR = MAXM * kRows;  // partial sums per thread
+  static_assert(MR <= 32, "one lane per partial sum in the reduction");
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* xs = reinterpret_cast<T*>(smem);
+  float* red = reinterpret_cast<float*>(smem + ((static_cast<size_t>(p.m) * p.k_pad * sizeof(T) + 15) & ~size_t(15)));
+
+  const int warps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int groups = warps / p.wk;
+  const int group = warp / p.wk;
+  const int kw = warp - group * p.wk;
+  const int chunks = p.k / VEC;
+  const int kstep = 32 * p.wk;  // chunks between one lane's consecutive chunks
+
+  // Start the first task's weights moving into L2 while x is staged (no registers held).
+  {
+    const int task = blockIdx.x * groups + group;
+    if (task < p.tasks) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const T* row = p.w + static_cast<int64_t>(min(task * kRows + r, p.n - 1)) * p.ldw;
+        for (int u = 0, c = kw * 32 + lane; u < 2 * kUnroll && c < chunks; ++u, c += kstep) {
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(row + static_cast<int64_t>(c) * VEC));
+        }
+      }
+    }
+  }
+  stage_x<T, PRO>(xs, p);
+  __syncthreads();
+
+  int parity = 0;
+  // The bound is uniform over the CTA, so the __syncthreads inside is reached by every thread.
+  for (int base = blockIdx.x * groups; base < p.tasks; base += gridDim.x * groups) {
+    const int task = base + group;
+    float acc[MAXM][kRows];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[m][r] = 0.0f;
+    }
+    if (task < p.tasks) {  // uniform over the warp
+      const T* rows[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        // Past the last row (odd n): read row n - 1 again, never written back.
+        rows[r] = p.w + static_cast<int64_t>(min(task * kRows + r, p.n - 1)) * p.ldw;
+      }
+      // Warp-uniform trip count; lanes past the end of K are masked per chunk.
+      for (int c0 = kw * 32; c0 < chunks; c0 += kstep * kUnroll) {
+        Pack<T, VEC> wv[kUnroll][kRows];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int c = c0 + u * kstep + lane;
+          if (c < chunks) {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) wv[u][r].load_weight(rows[r] + static_cast<int64_t>(c) * VEC);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int c = c0 + u * kstep + lane;
+          if (c < chunks) {
+            float wf[kRows][VEC];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) wv[u][r].to_float(wf[r]);
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m) {
+              if (m < p.m) {
+                Pack<T, VEC> xv;
+                xv.load_shared(xs + m * p.k_pad + c * VEC);
+                float xf[VEC];
+                xv.to_float(xf);
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+                  for (int j = 0; j < VEC; ++j) acc[m][r] = fmaf(wf[r][j], xf[j], acc[m][r]);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+
+    // Every lane ends up with every sum of its warp; lane i then owns partial sum i (m = i / kRows).
+    float mine = 0.0f;
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float s = (m < p.m) ? warp_sum(acc[m][r]) : 0.0f;
+        if (lane == m * kRows + r) mine = s;
+      }
+    }
+
+    if (p.wk == 1) {
+      const int m = lane / kRows;
+      const int row = task * kRows + (lane - m * kRows);
+      if (task < p.tasks && lane < MR && m < p.m && row < p.n) {
+        const float b = p.bias != nullptr ? Conv<T>::to_float(p.bias[row]) : 0.0f;
+        p.out[m * p.ldo + row] = Conv<T>::from_float(mine + b);
+      }
+    } else {
+      // Double-buffered: the buffer written here was last read two iterations ago, before the
+      // __syncthreads of the previous iteration.
+      float* buf = red + parity * (warps * MR);
+      if (lane < MR) buf[warp * MR + lane] = mine;
+      __syncthreads();
+      for (int t = threadIdx.x; t < groups * MR; t += blockDim.x) {
+        const int g = t / MR;
+        const int i = t - g * MR;
+        const int m = i / kRows;
+        const int tk = base + g;
+        const int row = tk * kRows + (i - m * kRows);
+        if (tk < p.tasks && m < p.m && row < p.n) {
+          float s = p.bias != nullptr ? Conv<T>::to_float(p.bias[row]) : 0.0f;
+          for (int w = 0; w < p.wk; ++w) s += buf[(g * p.wk + w) * MR + i];
+          p.out[m * p.ldo + row] = Conv<T>::from_float(s);
+        }
+      }
+      parity ^= 1;
+    }
+  }
+}
+
+struct DeviceInfo {
+  int sms;
+  int max_smem;  // opt-in shared memory per block, bytes
+};
+
+int device_info(DeviceInfo* info) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&info->sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&info->max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err != cudaSuccess) return fail(WLLM_ERR_CUDA, "gemv: %s", cudaGetErrorString(err));
+  return WLLM_OK;
+}
+
+size_t smem_bytes(int m, int k_pad, int elem, int warps, int maxm) {
+  const size_t x_bytes = (static_cast<size_t>(m) * k_pad * elem + 15) & ~size_t(15);
+  return x_bytes + static_cast<size_t>(2) * warps * maxm * kRows * sizeof(float);
+}
+
+// Chooses warps per task and CTA size, reserves shared memory, sizes the persistent grid, launches.
+template <typename T, int PRO, int MAXM, int VEC>
+int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
+  auto kernel = gemv_kernel<T, PRO, MAXM, VEC>;
+  const int chunks = p.k / VEC;
+  const int64_t target_warps = static_cast<int64_t>(dev.sms) * 16;
+  // Split K over more warps while every lane keeps >= 1 chunk, and either the rows alone cannot fill
+  // the GPU or a single warp's share of K would take more than two rounds of loads.
+  int wk = 1;
+  while (wk < kMaxWarps && chunks >= 64 * wk &&
+         (static_cast<int64_t>(p.tasks) * wk < target_warps || chunks > 32 * wk * kUnroll * 2)) {
+    wk *= 2;
+  }
+  // Small problems: 4-warp CTAs spread the same warps over twice as many SMs.
+  const int warps = (wk <= 4 && static_cast<int64_t>(p.tasks) * wk < static_cast<int64_t>(dev.sms) * 8) ? 4 : 8;
+  p.wk = wk;
+  const int groups = warps / wk;
+  const size_t smem = smem_bytes(p.m, p.k_pad, sizeof(T), warps, MAXM);
+  cudaError_t err = cudaSuccess;
+  if (smem > 48 * 1024) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  int per_sm = 0;
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it so later launches start clean
+    return fail(err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction
+                    ? WLLM_ERR_NO_KERNEL_IMAGE
+                    : WLLM_ERR_CUDA,
+                "gemv: cannot configure the kernel (%zu bytes of shared memory): %s", smem, cudaGetErrorString(err));
+  }
+  if (per_sm < 1) per_sm = 1;
+  // Each resident CTA recomputes act(gate) * up for all of K (two special-function ops per element,
+  // 16 per clock per SM): fewer, longer-lived CTAs keep that redundant work small.
+  if (PRO != PROLOGUE_NONE && per_sm > 2) per_sm = 2;
+  const int64_t needed = (p.tasks + groups - 1) / groups;
+  const int64_t resident = static_cast<int64_t>(dev.sms) * per_sm;
+  const int grid = static_cast<int>(needed < resident ? needed : resident);
+  kernel<<<grid, warps * 32, smem, stream>>>(p);
+  return check_launch("gemv");
+}
+
+template <typename T, int PRO>
+int launch_rows(GemvParams<T> p, bool vec, const DeviceInfo& dev, cudaStream_t stream) {
+  if (!vec) return launch<T, PRO, 16, 1>(p, dev, stream);
+  if (p.m <= 1) return launch<T, PRO, 1, 8>(p, dev, stream);
+  if (p.m <= 2) return launch<T, PRO, 2, 8>(p, dev, stream);
+  if (p.m <= 4) return launch<T, PRO, 4, 8>(p, dev, stream);
+  if (p.m <= 8) return launch<T, PRO, 8, 8>(p, dev, stream);
+  return launch<T, PRO, 16, 8>(p, dev, stream);
+}
+
+template <typename T>
+int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n, int64_t k, int64_t ldo,
+             int64_t ldx, int64_t ldw, int prologue, cudaStream_t stream) {
+  DeviceInfo dev;
+  int status = device_info(&dev);
+  if (status != WLLM_OK) return status;
+  const bool vec = k % 8 == 0 && ldw % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15u) == 0;
+  const bool x_vec = k % 8 == 0 && ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15u) == 0;
+  const int k_pad = static_cast<int>((k + 7) / 8 * 8);
+  // Rows of x that fit in shared memory at once; more rows than that take several passes over W.
+  int64_t per_pass = 16;
+  while (per_pass > 0 && smem_bytes(static_cast<int>(per_pass), k_pad, sizeof(T), kMaxWarps, 16) >
+                             static_cast<size_t>(dev.max_smem)) {
+    per_pass /= 2;
+  }
+  if (per_pass == 0) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT,
+                "gemv: in_features=%lld needs %zu bytes of shared memory for one row of x; this GPU allows %d",
+                (long long)k, smem_bytes(1, k_pad, sizeof(T), kMaxWarps, 1), dev.max_smem);
+  }
+  for (int64_t m0 = 0; m0 < m; m0 += per_pass) {
+    GemvParams<T> p;
+    p.out = out + m0 * ldo;
+    p.x = x + m0 * ldx;
+    p.w = w;
+    p.bias = bias;
+    p.m = static_cast<int>(m - m0 < per_pass ? m - m0 : per_pass);
+    p.n = static_cast<int>(n);
+    p.k = static_cast<int>(k);
+    p.k_pad = k_pad;
+    p.ldo = ldo;
+    p.ldx = ldx;
+    p.ldw = ldw;
+    p.wk = 1;
+    p.tasks = static_cast<int>((n + kRows - 1) / kRows);
+    p.x_vec = x_vec ? 1 : 0;
+    switch (prologue) {
+      case PROLOGUE_NONE:
+        status = launch_rows<T, PROLOGUE_NONE>(p, vec, dev, stream);
+        break;
+      case PROLOGUE_SILU_AND_MUL:
+        status = launch_rows<T, PROLOGUE_SILU_AND_MUL>(p, vec, dev, stream);
+        break;
+      default:
+        status = launch_rows<T, PROLOGUE_GELU_TANH_AND_MUL>(p, vec, dev, stream);
+        break;
+    }
+    if (status != WLLM_OK) return status;
+  }
+  return WLLM_OK;
+}
+
+}  // namespace
+}  // namespace WLLM_NS
+
+WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, const void* bias, int64_t rows,
+                                int64_t out_features, int64_t in_features, int64_t out_row_stride,
+                                int64_t x_row_stride, int64_t weight_row_stride, int prologue, int dtype,
+                                void* stream) {
+  using namespace WLLM_NS;
+  if (rows < 0 || out_features <= 0 || in_features <= 0 || out_features > 0x7ffffffeLL ||
+      in_features > 0x3fffffffLL || rows > 0x7fffffffLL) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv: bad shape rows=%lld out_features=%lld in_features=%lld",
+                (long long)rows, (long long)out_features, (long long)in_features);
+  }
+  if (prologue < PROLOGUE_NONE || prologue > PROLOGUE_GELU_TANH_AND_MUL) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT,
+                "gemv: unknown prologue %d (0 = none, 1 = silu_and_mul, 2 = gelu_tanh_and_mul)", prologue);
+  }
+  const int64_t x_width = prologue == PROLOGUE_NONE ? in_features : 2 * in_features;
+  if (weight_row_stride < in_features || (rows > 1 && (x_row_stride < x_width || out_row_stride < out_features))) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT,
+                "gemv: row strides (out %lld, x %lld, weight %lld) shorter than the rows (out %lld, x %lld, weight "
+                "%lld)",
+                (long long)out_row_stride, (long long)x_row_stride, (long long)weight_row_stride,
+                (long long)out_features, (long long)x_width, (long long)in_features);
+  }
+  if (dtype != WLLM_FLOAT16 && dtype != WLLM_BFLOAT16) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv: dtype code %d unsupported (fp16 = 1, bf16 = 2 only)", dtype);
+  }
+  if (rows == 0) return WLLM_OK;
+  if (out == nullptr || x == nullptr || weight == nullptr) return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv: null pointer");
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (dtype == WLLM_FLOAT16) {
+    return run_gemv<__half>(static_cast<__half*>(out), static_cast<const __half*>(x), static_cast<const __half*>(weight),
+                            static_cast<const __half*>(bias), rows, out_features, in_features, out_row_stride,
+                            x_row_stride, weight_row_stride, prologue, s);
+  }
+  return run_gemv<__nv_bfloat16>(static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(x),
+                                 static_cast<const __nv_bfloat16*>(weight), static_cast<const __nv_bfloat16*>(bias),
+                                 rows, out_features, in_features, out_row_stride, x_row_stride, weight_row_stride,
+                                 prologue, s);
+}

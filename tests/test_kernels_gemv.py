@@ -1,0 +1,258 @@
+"""Skinny GEMM for decode (wllm.kernels.gemv) and its use by Linear / GatedMLP.
+
+CPU (CI): the PyTorch reference against float64 math, argument errors. CUDA (-m cuda): the kernel
+against the reference on odd sizes, both dtypes, with and without bias and fused activations,
+strided and misaligned inputs, inside a CUDA graph, and the layers' skinny path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from wllm import kernels
+from wllm.engine.cuda_graphs import capture_graph
+from wllm.kernels import reference
+from wllm.model.layers import linear as linear_module
+from wllm.model.layers import mlp as mlp_module
+from wllm.model.layers.linear import GEMV_MAX_ROWS, Linear
+from wllm.model.layers.mlp import GEMV_MAX_FUSED_ROWS, GatedMLP
+
+DTYPES = [torch.float16, torch.bfloat16]
+ACTIVATIONS = [None, "silu", "gelu_tanh"]
+TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def make(m: int, n: int, k: int, dtype: torch.dtype, activation: str | None, bias: bool, device: str = "cpu",
+         seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random x [m, k] (or [m, 2k] of [gate | up]), weight [n, k] scaled so outputs are O(1), bias [n]."""
+    gen = torch.Generator().manual_seed(seed)
+    width = k if activation is None else 2 * k
+    x = torch.randn(m, width, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x.to(device), w.to(device), b.to(device) if b is not None else None
+
+
+def gemv64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+    """From first principles in float64: the activation (rounded to the dtype, as the unfused path
+    stores it), then one dot product per output element."""
+    xd = x.double()
+    if activation is not None:
+        k = w.shape[1]
+        gate, up = xd[:, :k], xd[:, k:]
+        if activation == "silu":
+            act = gate / (1 + torch.exp(-gate))
+        else:
+            act = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+        xd = (act * up).to(x.dtype).double()
+    out = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for r in range(x.shape[0]):
+        out[r] = (w.double() * xd[r]).sum(dim=1)
+    if b is not None:
+        out += b.double()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Reference and errors (CPU)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,n,k", [(1, 7, 72), (3, 1, 200), (8, 33, 13), (16, 65, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_vs_float64(dtype, activation, m, n, k, bias) -> None:
+    x, w, b = make(m, n, k, dtype, activation, bias)
+    out = kernels.gemv(x, w, b, activation)
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), gemv64(x, w, b, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+def test_reference_keeps_leading_dims_and_strided_rows() -> None:
+    x, w, b = make(6, 9, 40, torch.bfloat16, None, True)
+    wide = torch.zeros(6, 100, dtype=torch.bfloat16)
+    wide[:, 7:47] = x
+    strided = wide[:, 7:47]
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(kernels.gemv(strided, w, b), kernels.gemv(x, w, b), rtol=0, atol=0)
+    out3 = kernels.gemv(x.view(2, 3, 40), w, b)
+    assert out3.shape == (2, 3, 9)
+    torch.testing.assert_close(out3.view(6, 9), kernels.gemv(x, w, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("x_width", "last dimension is 11, expected in_features = 12"),
+    ("act_width", r"expected 2 \* in_features"),
+    ("weight_1d", "weight must be 2-D"),
+    ("bias_shape", r"bias must have shape \(5,\)"),
+    ("float32", "float32 unsupported"),
+    ("int", "int32 unsupported"),
+    ("mixed", "weight is torch.float16 on cpu but x is torch.bfloat16"),
+    ("activation", "unknown activation 'relu'"),
+])
+def test_errors(case: str, match: str) -> None:
+    x = torch.randn(2, 12, dtype=torch.bfloat16)
+    w = torch.randn(5, 12, dtype=torch.bfloat16)
+    b, activation = None, None
+    if case == "x_width":
+        x = x[:, :11]
+    elif case == "act_width":
+        activation = "silu"
+    elif case == "weight_1d":
+        w = w[0]
+    elif case == "bias_shape":
+        b = torch.zeros(4, dtype=torch.bfloat16)
+    elif case == "float32":
+        x, w = x.float(), w.float()
+    elif case == "int":
+        x, w = x.int(), w.int()
+    elif case == "mixed":
+        w = w.half()
+    elif case == "activation":
+        activation = "relu"
+    with pytest.raises(ValueError, match=match):
+        kernels.gemv(x, w, b, activation)
+
+
+def test_linear_stays_on_pytorch_on_cpu() -> None:
+    """The skinny path is CUDA-only: a CPU Linear is exactly F.linear."""
+    layer = Linear(16, 5, bias=True).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(1, 16, dtype=torch.bfloat16)
+    assert not layer.use_gemv(x)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA kernel
+# ------------------------------------------------------------------------------------------
+
+CUDA_K = [72, 200, 896, 1000, 4864, 14336]
+CUDA_N = [1, 7, 1153]
+CUDA_M = [1, 2, 3, 4, 5, 8, 16]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", CUDA_K)
+@pytest.mark.parametrize("n", CUDA_N)
+@pytest.mark.parametrize("m", CUDA_M)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gemv_matches_reference(dtype, k, n, m, activation) -> None:
+    bias = (m + n) % 2 == 0  # half the cases with bias, spread over every size
+    x, w, b = make(m, n, k, dtype, activation, bias, device="cuda", seed=m * 1000 + n + k)
+    out = kernels.gemv(x, w, b, activation)
+    want = reference.gemv(x, w, b, activation)
+    assert out.shape == (m, n) and out.dtype == dtype
+    torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,n,k", [(1, 28672, 4096), (4, 28672, 4096), (2, 4096, 14336), (8, 896, 4864),
+                                   (3, 9728, 896), (40, 300, 512), (2, 50000, 896)])
+def test_gemv_large_and_many_rows(dtype, activation, m, n, k) -> None:
+    """Many tasks per persistent CTA (the reduction buffers alternate), long K split over 8 warps,
+    more than 16 rows (several passes over W)."""
+    x, w, b = make(m, n, k, dtype, activation, True, device="cuda", seed=7)
+    torch.testing.assert_close(kernels.gemv(x, w, b, activation), reference.gemv(x, w, b, activation),
+                               rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["row_stride", "misaligned_x", "misaligned_weight", "odd_k", "batch_dims"])
+def test_gemv_layouts(dtype, activation, layout) -> None:
+    """Strided rows of x, x and W off 16-byte boundaries, K not a multiple of 8 (the scalar paths)."""
+    m, n, k = 5, 131, 13 if layout == "odd_k" else 264
+    x, w, b = make(m, n, k, dtype, activation, True, device="cuda", seed=3)
+    width = x.shape[1]
+    if layout == "row_stride":
+        big = torch.randn(m, 3 * width + 8, device="cuda").to(dtype)
+        big[:, 8:8 + width] = x
+        x = big[:, 8:8 + width]  # rows 3 * width + 8 apart, still 16-byte aligned
+    elif layout == "misaligned_x":
+        big = torch.randn(m, width + 3, device="cuda").to(dtype)
+        big[:, 3:] = x
+        x = big[:, 3:]
+    elif layout == "misaligned_weight":
+        big = torch.randn(n, k + 1, device="cuda").to(dtype)
+        big[:, 1:] = w
+        w = big[:, 1:]
+    elif layout == "batch_dims":
+        x = x.view(1, m, width)
+    out = kernels.gemv(x, w, b, activation)
+    want = reference.gemv(x, w, b, activation)
+    assert out.shape == (*x.shape[:-1], n)
+    torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+def test_gemv_empty_rows_and_cuda_errors() -> None:
+    w = torch.randn(7, 64, device="cuda", dtype=torch.bfloat16)
+    assert kernels.gemv(torch.empty(0, 64, device="cuda", dtype=torch.bfloat16), w).shape == (0, 7)
+    with pytest.raises(ValueError, match="float32 unsupported"):
+        kernels.gemv(torch.randn(1, 64, device="cuda"), w.float())
+    with pytest.raises(ValueError, match="x is torch.bfloat16 on cuda"):
+        kernels.gemv(torch.randn(1, 64, device="cuda", dtype=torch.bfloat16), w.cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,n,k", [(1, 1152, 896), (4, 896, 4864), (8, 1153, 200), (4, 1000, 14336)])
+def test_gemv_inside_cuda_graph(activation, m, n, k) -> None:
+    """Captured once, replayed with new inputs in the same buffers: each replay matches the reference.
+    (4, 1000, 14336) stages 112 KiB of x: the shared-memory opt-in happens during capture."""
+    x, w, b = make(m, n, k, torch.bfloat16, activation, True, device="cuda", seed=11)
+    graph, out = capture_graph(lambda: kernels.gemv(x, w, b, activation))
+    for trial in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, reference.gemv(x, w, b, activation), rtol=2e-2, atol=2e-2,
+                                   msg=lambda msg, t=trial: f"replay {t}: {msg}")
+
+
+# ------------------------------------------------------------------------------------------
+# Layers on CUDA
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
+def test_linear_uses_gemv_for_decode_rows(rows: int, monkeypatch) -> None:
+    calls = []
+    real = linear_module.gemv
+    monkeypatch.setattr(linear_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    layer = Linear(896, 1152, bias=True).to("cuda", torch.bfloat16)
+    layer.weight.data.normal_(std=896**-0.5)
+    layer.bias.data.normal_()
+    x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
+    out = layer(x)
+    assert len(calls) == (1 if rows <= GEMV_MAX_ROWS else 0)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_FUSED_ROWS, GEMV_MAX_FUSED_ROWS + 1, GEMV_MAX_ROWS + 5])
+def test_gated_mlp_fuses_activation_into_down_projection(act: str, rows: int, monkeypatch) -> None:
+    fused = []
+    real = mlp_module.gemv
+    monkeypatch.setattr(mlp_module, "gemv", lambda *a, **kw: fused.append(a[3]) or real(*a, **kw))
+    torch.manual_seed(5)
+    mlp = GatedMLP(256, 704, act).to("cuda", torch.bfloat16)
+    mlp.gate_up_proj.weight.data.normal_(std=256**-0.5)
+    mlp.down_proj.weight.data.normal_(std=704**-0.5)
+    x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+    gate, up = (x.float() @ mlp.gate_up_proj.weight.float().t()).to(x.dtype).chunk(2, dim=-1)
+    hidden = (mlp.act(gate.float()) * up.float()).to(x.dtype)
+    want = (hidden.float() @ mlp.down_proj.weight.float().t()).to(x.dtype)
+    torch.testing.assert_close(mlp(x), want, rtol=3e-2, atol=3e-2)
+    assert fused == ([mlp.fused_act] if rows <= GEMV_MAX_FUSED_ROWS else [])

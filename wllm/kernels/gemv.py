@@ -1,0 +1,108 @@
+"""Skinny GEMM for decode: y = x @ W^T (+ b) for a few rows of x, fp16/bf16, one pass over W.
+
+At decode every linear layer multiplies a handful of token rows by a weight matrix that is read
+once per step, so the step is bound by weight bandwidth; cuBLAS reaches 65-80% of it on the
+medium matrices (and splits K into a second reduce kernel), this kernel aims at >= 90%. With an
+activation ("silu" / "gelu_tanh") x holds [gate | up] rows and the kernel applies act(gate) * up
+on the fly, so a gated MLP's down projection needs no separate activation kernel.
+
+The CUDA library runs it on GPU tensors; elsewhere `reference.gemv` computes the same thing. The
+op is also a `torch.library.custom_op` (`wllm::gemv`) for torch.compile; eager CUDA calls take the
+raw ctypes binding (the dispatcher costs host time on every call).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from wllm.kernels import _lib, reference
+from wllm.kernels.ops import _is_compiling, _stream
+
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2}
+# Prologue codes of wllm_gemv: 0 = none, 1 = SiLU-and-mul, 2 = tanh-GELU-and-mul.
+PROLOGUES = {None: 0, "silu": 1, "gelu_tanh": 2}
+# Longest row of x (after the activation) any GPU holds in shared memory: 48 KiB of fp16/bf16.
+GEMV_MAX_IN_FEATURES = 24576
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> int:
+    """Validate shapes, dtypes and devices; returns the width of x's rows (in_features, doubled with an
+    activation). Raises ValueError saying what is wrong."""
+    if activation not in PROLOGUES:
+        raise ValueError(f"gemv: unknown activation {activation!r}; supported: None, 'silu', 'gelu_tanh'")
+    if weight.dim() != 2:
+        raise ValueError(f"gemv: weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
+    if x.dim() < 1:
+        raise ValueError("gemv: x must have at least one dimension (its last is in_features)")
+    out_features, in_features = weight.shape
+    if out_features == 0 or in_features == 0:
+        raise ValueError(f"gemv: empty weight of shape {tuple(weight.shape)}")
+    width = in_features * (1 if activation is None else 2)
+    if x.shape[-1] != width:
+        layout = "in_features" if activation is None else f"2 * in_features ([gate | up] for {activation})"
+        raise ValueError(f"gemv: x's last dimension is {x.shape[-1]}, expected {layout} = {width} for a weight "
+                         f"of shape {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"gemv: bias must have shape ({out_features},), got {tuple(bias.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"gemv: dtype {x.dtype} unsupported (float16 or bfloat16 only; use F.linear otherwise)")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            raise ValueError(f"gemv: {name} is {t.dtype} on {t.device} but x is {x.dtype} on {x.device}; they must "
+                             "match")
+    return width
+
+
+def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               activation: str | None) -> torch.Tensor:
+    width = _check(x, weight, bias, activation)
+    out_features, in_features = weight.shape
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    # A view when the leading dims collapse to one row stride (strided rows stay strided), else a copy.
+    x2 = x.reshape(-1, width)
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    # One row: its stride is meaningless (may be 1); the row length keeps 16-byte loads possible.
+    x_stride = x2.stride(0) if x2.shape[0] > 1 else width
+    lib = _lib.binding(x.device.index or 0)
+    lib.check(lib.wllm_gemv(out.data_ptr(), x2.data_ptr(), weight.data_ptr(),
+                            bias.data_ptr() if bias is not None else None, x2.shape[0], out_features, in_features,
+                            out_features, x_stride, weight.stride(0), PROLOGUES[activation], _DTYPES[x.dtype],
+                            _stream(x)),
+              "gemv")
+    return out
+
+
+@torch.library.custom_op("wllm::gemv", mutates_args=())
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+    if x.is_cuda:
+        return _cuda_gemv(x, weight, bias, activation)
+    _check(x, weight, bias, activation)
+    return reference.gemv(x, weight, bias, activation)
+
+
+@gemv_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         activation: str | None = None) -> torch.Tensor:
+    """y[..., n] = sum_k in[..., k] * weight[n, k] (+ bias[n]), fp32 accumulation, rounded to x's dtype.
+
+    in = x, or act(x[..., :K]) * x[..., K:] rounded to the dtype when `activation` is "silu" or
+    "gelu_tanh" (x then has 2 * in_features columns). fp16/bf16 only; meant for a few rows (decode);
+    any number works, in passes of 16 rows over W. Raises ValueError on bad shapes or dtypes.
+    """
+    if not x.is_cuda:
+        _check(x, weight, bias, activation)
+        return reference.gemv(x, weight, bias, activation)
+    if _is_compiling():
+        return gemv_op(x, weight, bias, activation)
+    return _cuda_gemv(x, weight, bias, activation)
