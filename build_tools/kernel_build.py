@@ -277,7 +277,12 @@ def build(out_dir: Path, build_dir: Path | None = None, archs_override: str | No
                 shutil.copyfile(cached, obj)
                 hits += 1
             else:
-                lines.append(f"build {_ninja_quote(obj)}: nvcc{index} {_ninja_quote(source)}")
+                # A miss means the source, a header, the flags or nvcc changed: drop any older object
+                # so ninja cannot judge it up to date by timestamps (it does not see header edits),
+                # and list the headers as implicit inputs too.
+                obj.unlink(missing_ok=True)
+                deps = (" | " + " ".join(_ninja_quote(h) for h in headers)) if headers else ""
+                lines.append(f"build {_ninja_quote(obj)}: nvcc{index} {_ninja_quote(source)}{deps}")
                 to_cache.append((obj, cached))
     primary = legs[0]
     lib = build_dir / LIB_NAME
