@@ -13,10 +13,12 @@ from wllm.kernels import available as kernels_available
 from wllm.kernels import gemv
 from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 
-# Up to this many rows of x (decode batches), CUDA fp16/bf16 linears use the skinny-GEMM kernel
-# instead of cuBLAS: it reads the weight once for all rows at ~90% of bandwidth, where cuBLAS
-# reaches 65-80% on decode-sized matrices. Tune with benchmarks/kernels_gemv.py.
-GEMV_MAX_ROWS = 8
+# Up to this many rows of x (decode batches) and this many weight bytes, CUDA fp16/bf16 linears
+# use the skinny-GEMM kernel instead of cuBLAS. Measured on the H200 (benchmarks/kernels_gemv.py,
+# RESULTS.md): it wins on matrices up to ~9 MB at 1-2 rows (1.1-1.5x: Qwen2.5-0.5B's qkv, o, down),
+# ties or loses on larger ones (cuBLAS reaches 85-96% of bandwidth there) and loses from 4 rows on.
+GEMV_MAX_ROWS = 2
+GEMV_MAX_WEIGHT_BYTES = 12 << 20
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -75,6 +77,7 @@ class Linear(nn.Module):
         width = self.in_features if width is None else width
         return (x.is_cuda and x.dtype in _GEMV_DTYPES and self.weight.dtype == x.dtype and x.shape[-1] == width
                 and 0 < x.numel() <= GEMV_MAX_ROWS * width and self.in_features <= GEMV_MAX_IN_FEATURES
+                and self.weight.numel() * self.weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
                 and kernels_available(x.device.index or 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

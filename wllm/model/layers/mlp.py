@@ -24,9 +24,10 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 # Up to this many rows, the activation runs inside the down projection's skinny GEMM (no separate
 # act_and_mul kernel). Each CTA of that kernel recomputes the activation for its own copy of x, a
-# cost that grows with the rows; above this the separate kernel is cheaper. Tune with
-# benchmarks/kernels_gemv.py (the "down+act" rows).
-GEMV_MAX_FUSED_ROWS = 4
+# cost that grows with the rows; above this the separate kernel is cheaper. Measured on the H200
+# (benchmarks/kernels_gemv.py, "down+act" rows): Qwen2.5-0.5B's down 6.7 vs 9.7 us (act + cuBLAS)
+# at 1 row, 8.3 vs 9.8 at 2, a loss at 4. The weight-size bound of Linear.use_gemv applies too.
+GEMV_MAX_FUSED_ROWS = 2
 
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
 _FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
