@@ -3,8 +3,12 @@
 Default: batch 64 x context 4,096 with Llama-3.1-8B heads (32 query, 8 KV, head size 128) in bf16,
 block size 16, blocks scattered through the cache as in a long-running server. Bytes counted: every
 K and V row of every sequence once, plus q and out. Rows: the automatic split, then forced split
-counts, then the same call replayed from a CUDA graph (how the engine runs it); a second table
-times the fused SiLU-and-mul and the sampler at the same batch for context.
+counts, then the same call replayed from a CUDA graph (how the engine runs it). The latency table
+times batch-1 decode attention as the engine runs it: a CUDA graph captured for max_seq_len 4,096
+holding one call per layer, for the Qwen2.5-0.5B and Llama-3.1-8B head layouts at contexts 128 and
+512, in microseconds per call, with L2 hot (the same few KB every layer) and cold (a 256 MB write
+between calls evicts the KV, as a real step's weight stream does; its own time is subtracted). A last
+table times the fused SiLU-and-mul and the sampler at the same batch for context.
 
     python benchmarks/kernels_decode.py [--batch 64] [--context 4096] [--heads 32] [--kv-heads 8]
         [--head-size 128] [--block-size 16] [--dtype bf16|fp16] [--vocab 128256] [--json]
@@ -46,6 +50,7 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--vocab", type=int, default=128256, help="vocabulary for the sampler row")
     parser.add_argument("--intermediate", type=int, default=14336, help="MLP width for the SiLU-and-mul row")
+    parser.add_argument("--layers", type=int, default=24, help="calls per graph in the latency table")
     parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not kernels.available():
@@ -73,7 +78,7 @@ def main() -> int:
 
     def workspace_for(splits: int) -> torch.Tensor:
         size = ops.decode_workspace_size(b, hq, hkv, d, max_len, splits)
-        return torch.empty(size // 4 + 1, device="cuda")
+        return torch.zeros(size // 4 + 1, device="cuda")  # zeroed: the split-merge tickets live there
 
     want = reference.paged_decode_attention(q[:4], k_cache, v_cache, tables[:4], lens[:4], scale)
     run(0, workspace_for(0))()
@@ -96,6 +101,8 @@ def main() -> int:
         results.append({"variant": label, "ms": ms, "gbs": gbs, "fraction": gbs / COPY_FLOOR_GBS})
         print(f"{label:<28}{ms:>10.4f}{gbs:>10.0f}{gbs / COPY_FLOOR_GBS:>15.1%}")
 
+    latency = latency_table(dtype, args.layers)
+
     # Context: the other per-step decode kernels at the same batch.
     x = torch.randn(b, 2 * args.intermediate, device="cuda", dtype=dtype)
     ms_act = time_ms(lambda: kernels.silu_and_mul(x))
@@ -112,9 +119,76 @@ def main() -> int:
     if args.json:
         print(json.dumps({"batch": b, "context": ctx, "heads": hq, "kv_heads": hkv, "head_size": d,
                           "dtype": args.dtype, "bytes": nbytes, "max_err": max_err, "decode": results,
+                          "latency": latency,
                           "silu_and_mul_us": ms_act * 1e3, "sample_greedy_us": ms_greedy * 1e3,
                           "sample_top_p_us": ms_top_p * 1e3}))
     return 0
+
+
+LATENCY_LAYOUTS = [("qwen2.5-0.5b", 14, 2, 64), ("llama-3.1-8b", 32, 8, 128)]
+LATENCY_TARGET_US = 4.0  # per layer, the issue's target for batch-1 decode attention
+
+
+def latency_table(dtype: torch.dtype, layers: int, contexts: tuple[int, ...] = (128, 512),
+                  max_len: int = 4096, block_size: int = 16) -> list[dict]:
+    """Batch-1 decode attention per call (us) replayed from one graph of `layers` calls, each layer with
+    its own scattered blocks; hot and cold L2 (see the module docstring)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    results = []
+    print(f"\nlatency: batch 1, graph captured for max_seq_len {max_len}, {layers} calls per graph "
+          f"(one per layer), block size {block_size}; target <= {LATENCY_TARGET_US:.0f} us per layer")
+    print(f"{'model heads':<28}{'context':>8}{'grid splits':>12}{'hot us':>9}{'cold us':>9}{'floor us':>10}"
+          f"{'max err':>10}")
+    for name, hq, hkv, d in LATENCY_LAYOUTS:
+        for ctx in contexts:
+            row = _latency_row(dtype, layers, hq, hkv, d, ctx, max_len, block_size, flush)
+            label = f"{name} {hq}/{hkv} D={d}"
+            print(f"{label:<28}{ctx:>8}{row['grid_splits']:>12}{row['hot_us']:>9.2f}{row['cold_us']:>9.2f}"
+                  f"{row['floor_us']:>10.3f}{row['max_err']:>10.1e}")
+            results.append({"model": name, "context": ctx, **row})
+    return results
+
+
+def _latency_row(dtype: torch.dtype, layers: int, hq: int, hkv: int, d: int, ctx: int, max_len: int,
+                 block_size: int, flush: torch.Tensor) -> dict:
+    blocks = (ctx + block_size - 1) // block_size
+    k_cache = torch.randn(layers * blocks, block_size, hkv, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.zeros(layers, max_len // block_size, dtype=torch.int32, device="cuda")
+    tables[:, :blocks] = torch.randperm(layers * blocks, device="cuda").view(layers, blocks).to(torch.int32)
+    q = torch.randn(1, hq, d, device="cuda", dtype=dtype)
+    lens = torch.full((1,), ctx, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    size = ops.decode_workspace_size(1, hq, hkv, d, max_len)
+    workspace = torch.zeros(size // 4 + 1, device="cuda")
+    scale = d**-0.5
+
+    def call(layer: int) -> None:
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables[layer : layer + 1], lens, scale,
+                                       max_seq_len=max_len, out=out, workspace=workspace)
+
+    def hot() -> None:
+        for layer in range(layers):
+            call(layer)
+
+    def cold() -> None:
+        for layer in range(layers):
+            flush.zero_()
+            call(layer)
+
+    def flush_only() -> None:
+        for _ in range(layers):
+            flush.zero_()
+
+    call(0)
+    want = reference.paged_decode_attention(q, k_cache, v_cache, tables[:1], lens, scale)
+    err = (out.float() - want.float()).abs().max().item()
+    hot_us = time_ms(graphed(hot)) * 1e3 / layers
+    cold_us = (time_ms(graphed(cold)) - time_ms(graphed(flush_only))) * 1e3 / layers
+    # Workspace = 16 KB of tickets + per split (D + 2) fp32 per query head (batch 1).
+    splits = max(1, (size - 16384) // (4 * hq * (d + 2))) if size else 1
+    floor_us = 2 * ctx * hkv * d * q.element_size() / H200.bandwidth * 1e6
+    return {"grid_splits": splits, "hot_us": hot_us, "cold_us": cold_us, "floor_us": floor_us, "max_err": err}
 
 
 class _Row:

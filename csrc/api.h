@@ -133,7 +133,10 @@ WLLM_API int WLLM_FN(wllm_paged_decode_workspace_size)(int num_seqs, int num_hea
 // logit_softcap > 0; only the last sliding_window keys when sliding_window > 0. max_seq_len is a host
 // bound on seq_lens that sizes the split grid (a CUDA graph captured for it serves any shorter
 // context); num_splits 0 splits automatically, > 0 asks for that many (tests, tuning). The workspace
-// (fp32, 16-byte aligned) must hold wllm_paged_decode_workspace_size(...) bytes for the same sizes.
+// (fp32, 16-byte aligned) must hold wllm_paged_decode_workspace_size(...) bytes for the same sizes and
+// be zero-filled before its first use: its first 16 KB hold the tickets with which the last CTA of a
+// split sequence merges the splits in the same launch; every call leaves them zero again, so one
+// workspace serves calls of any size and CUDA-graph replays, on one stream at a time.
 // fp16/bf16/fp32; head_size 64, 80, 96, 128 or 256; block_size a power of two >= 8; q and caches
 // 16-byte aligned with strides that are multiples of 16 bytes.
 WLLM_API int WLLM_FN(wllm_paged_decode_attention)(

@@ -1,18 +1,29 @@
 // Paged decode attention: one query token per sequence over its paged K/V.
 //
-// One thread block per (sequence, KV head [, chunk of its query-head group], split). The block
-// reads each key and value row of its KV head once for all the query heads it serves (GQA), in
-// tiles of TILE tokens: scores of the tile go to shared memory, a per-head online softmax merges
-// tiles, and values accumulate in fp32 registers. With few sequences and long contexts the context
-// is split over blockIdx.z (flash-decoding); each split writes a normalised partial output plus its
-// (max, sum) and a second kernel merges the splits. The grid only depends on host-side sizes, so a
-// CUDA graph captured for a maximum context stays valid for shorter ones (idle splits exit early).
+// One thread block (CTA) per (sequence, KV head [, chunk of its query-head group], split). The CTA
+// reads each key and value row of its KV head once for all the query heads it serves (GQA). K and V
+// rows stream through shared memory in tiles of TT tokens with an S-stage cp.async pipeline (sm_80+;
+// plain loads on older GPUs): the K and V loads of a tile are issued together, S - 1 tiles ahead of
+// the one being computed, so a CTA pays about one memory latency however many tiles it reads, and the
+// block-table entries of the next tile are fetched one iteration before they are needed. There is one
+// __syncthreads per tile: each token group of lanes keeps its own online softmax (max, sum) and fp32
+// accumulator, and groups and warps are combined once at the end.
+//
+// Splits (flash-decoding): with few sequences the context is split over blockIdx.z. A sequence
+// spreads its own attended span over the grid's splits in multiples of UNIT tokens (enough tiles that
+// one split's loads are all in flight at once), so short contexts use few CTAs and the rest exit at
+// once. Each split writes a normalised partial output plus its (max, sum); the last CTA of a
+// (sequence, KV-head chunk) to finish -- an atomic ticket in the workspace that this CTA resets to
+// zero, so CUDA graph replays find it zero again -- merges the partials and writes the output, with no
+// second launch. The grid only depends on host-side sizes, so a CUDA graph captured for a maximum
+// context stays valid for shorter ones.
 //
 // Lane layout: LPT lanes share one token, each loading VEC contiguous elements per vector and NV
 // vectors (strided by LPT * VEC) of the head; a warp covers TPW = 32 / LPT tokens at a time. LPT
 // and VEC are chosen so that a lane holds at most ~32 fp32 values of q (and of the accumulator).
 #include <limits.h>
 #include <math.h>
+#include <stdint.h>
 
 #include "common.cuh"
 
@@ -21,11 +32,14 @@ namespace decode {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kTile = 256;                 // tokens per shared-memory score tile
-constexpr int kMinBlockSize = 8;           // block sizes are powers of two >= this
-constexpr int kTargetCtas = 1024;          // split the context until the grid has about this many blocks
-constexpr int kSplitUnit = 32;             // a split covers a multiple of this many tokens
-constexpr int kMaxBlocksPerTile = kTile / kMinBlockSize + 1;
+constexpr int kMinBlockSize = 8;          // block sizes are powers of two >= this
+constexpr int kTargetCtas = 512;          // split the context until the grid has about this many CTAs
+constexpr int kSplitUnit = 128;           // host-side grid bound: at most one split per this many tokens
+constexpr int kMinSplitTokens = 64;       // a split covers at least this many tokens
+constexpr int kTileBytes = 4096;          // target bytes of one K (or V) tile in shared memory
+constexpr int kStageBudget = 44 * 1024;   // shared-memory bytes for all pipeline stages of a CTA
+constexpr int kCounterSlots = 4096;       // fused-merge tickets at the start of the workspace
+constexpr int64_t kCounterBytes = kCounterSlots * 4;
 
 constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
@@ -39,7 +53,6 @@ struct Layout {
   static constexpr int LPT = cmin(32, cmax(GQ, pow2_ceil((D + kElemTarget - 1) / kElemTarget)));
   static constexpr int NV = (NVEC + LPT - 1) / LPT;
   static constexpr int TPW = 32 / LPT;
-  static constexpr int UNROLL = cmax(1, 4 / NV);
   static constexpr int HEADS_PER_LANE = LPT / GQ;  // lanes that end up holding one head's score
   static_assert(D % VEC == 0, "head size must be a multiple of the vector width");
   static_assert(LPT >= GQ, "the score reduction needs at least one lane per head");
@@ -80,6 +93,55 @@ __device__ __forceinline__ void to_float(const Vec<T, VEC>& in, float* out) {
   for (int i = 0; i < VEC / kPerWord; ++i) word_to_float<T>(in.w[i], out + i * kPerWord);
 }
 
+// Shared-memory tiling of one instantiation: TT tokens per tile (a multiple of the tokens all warps
+// cover in one pass), K and V rows padded so that the token groups of a warp hit different banks,
+// S pipeline stages within the static shared-memory budget.
+template <typename T, int D, int GQ>
+struct Tiling {
+  using L = Layout<T, D, GQ>;
+  static constexpr int kElem = (int)sizeof(T);
+  static constexpr int ROW_BYTES = D * kElem + (L::LPT < 8 ? L::LPT * L::VEC * kElem : 16);
+  static constexpr int PASS = kWarps * L::TPW;  // tokens the CTA covers in one pass
+  static constexpr int TT = cmax(PASS, kTileBytes / (D * kElem) / PASS * PASS);
+  static constexpr int U = TT / PASS;  // passes per tile
+  static constexpr int STAGE_BYTES = 2 * TT * ROW_BYTES;
+  static constexpr int S = cmin(6, cmax(2, kStageBudget / STAGE_BYTES));
+  static constexpr int CPR = D * kElem / 16;  // 16-byte chunks per row
+  static constexpr int NCH = (TT * CPR + kThreads - 1) / kThreads;  // chunks per thread per K (or V) tile
+  // Tokens a split covers at least: all of them fit in the S - 1 tiles the prologue has in flight.
+  static constexpr int UNIT = (cmax(kMinSplitTokens, TT * (S - 1)) + TT - 1) / TT * TT;
+  static constexpr int ACC_BYTES = kWarps * GQ * D * 4;  // the end-of-loop combine reuses the stages
+  static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);
+  static_assert(ROW_BYTES % 16 == 0, "rows must keep 16-byte alignment for cp.async");
+  static_assert(SMEM_BYTES <= 44 * 1024, "static shared memory must stay under 48 KB");
+  static_assert(TT % PASS == 0 && TT * CPR <= NCH * kThreads, "tile shape");
+};
+
+// 16-byte global -> shared copy: asynchronous (cp.async, L2 only) on sm_80+, a plain load and store
+// before that (then the pipeline is synchronous but still correct).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's committed copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 struct Params {
   void* out;
   const void* q;
@@ -87,73 +149,156 @@ struct Params {
   const void* v_cache;
   const int32_t* block_tables;
   const int32_t* seq_lens;
-  float* partial_out;    // [S, Hq, splits, D] (split mode)
-  float* partial_stats;  // [S, Hq, splits, 2] = (max, sum) (split mode)
+  unsigned int* counters;  // [S * gridDim.y] tickets, zero between calls (fused merge)
+  float* partial_out;      // [S, Hq, splits, D] (split mode)
+  float* partial_stats;    // [S, Hq, splits, 2] = (max, sum) (split mode)
   int64_t q_seq_stride, q_head_stride, out_seq_stride, out_head_stride;
   int64_t block_stride, token_stride, head_stride, block_table_stride;
   int num_heads, num_kv_heads, group, chunks, per_chunk;
   int block_shift;
-  int splits, split_tokens;
+  int splits, split_unit;
+  int fused;  // 1: the last split CTA merges; 0: merge_splits_kernel runs after
   float scale, softcap;
   int window;
 };
 
-// Tokens per split for one sequence: every sequence spreads its own attended span over all the
-// grid's splits, so a short context still keeps many blocks busy (the grid itself is fixed by the
-// host-side maximum, which keeps CUDA graphs valid).
-__device__ __forceinline__ int seq_split_tokens(int span, int splits) {
+// Tokens per split for one sequence: its attended span spread over the grid's splits in multiples
+// of `unit` (the grid itself is fixed by the host-side maximum, which keeps CUDA graphs valid).
+__device__ __forceinline__ int seq_split_tokens(int span, int splits, int unit) {
   if (splits == 1) return INT_MAX;
-  const int units = (span + kSplitUnit - 1) / kSplitUnit;
-  const int per = (units + splits - 1) / splits;
-  return (per > 0 ? per : 1) * kSplitUnit;
+  const int per = (span + splits - 1) / splits;
+  return max((per + unit - 1) / unit, 1) * unit;
+}
+
+// Splits of a sequence that hold tokens (<= splits, as split_tokens >= span / splits).
+__device__ __forceinline__ int active_splits(int span, int splits, int unit) {
+  if (span <= 0) return 0;
+  if (splits == 1) return 1;
+  const int st = seq_split_tokens(span, splits, unit);
+  return (span + st - 1) / st;
+}
+
+// Issues the cp.async copies of one K/V tile: chunk c = threadIdx.x + i * kThreads of the tile is
+// row c / CPR, 16-byte column c % CPR; ids[i] is that row's block (read one step earlier).
+template <typename T, int D, int GQ>
+__device__ __forceinline__ void issue_tile(unsigned char* stage, const T* k_cache, const T* v_cache,
+                                           const int (&ids)[Tiling<T, D, GQ>::NCH], int tile0, int end,
+                                           const Params& p, int block_mask) {
+  using TL = Tiling<T, D, GQ>;
+  constexpr int kPerChunk = 16 / (int)sizeof(T);
+#pragma unroll
+  for (int i = 0; i < TL::NCH; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int row = c / TL::CPR, col = c - row * TL::CPR;
+    const int pos = tile0 + row;
+    if (c < TL::TT * TL::CPR && pos < end) {
+      const int64_t off = (int64_t)ids[i] * p.block_stride + (int64_t)(pos & block_mask) * p.token_stride +
+                          col * kPerChunk;
+      unsigned char* dst = stage + row * TL::ROW_BYTES + col * 16;
+      cp_async16(dst, k_cache + off);
+      cp_async16(dst + TL::TT * TL::ROW_BYTES, v_cache + off);
+    }
+  }
+}
+
+// Block ids of this thread's rows of the tile starting at tile0 (0 past the end: never used).
+template <typename T, int D, int GQ>
+__device__ __forceinline__ void load_ids(int (&ids)[Tiling<T, D, GQ>::NCH], const int32_t* table, int tile0,
+                                         int end, int block_shift) {
+  using TL = Tiling<T, D, GQ>;
+#pragma unroll
+  for (int i = 0; i < TL::NCH; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    const int pos = tile0 + c / TL::CPR;
+    ids[i] = (c < TL::TT * TL::CPR && pos < end) ? __ldg(table + (pos >> block_shift)) : 0;
+  }
 }
 
 template <typename T, int D, int GQ>
 __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params p) {
   using L = Layout<T, D, GQ>;
-  constexpr int VEC = L::VEC, NVEC = L::NVEC, LPT = L::LPT, NV = L::NV, TPW = L::TPW, UNROLL = L::UNROLL;
+  using TL = Tiling<T, D, GQ>;
+  constexpr int VEC = L::VEC, NVEC = L::NVEC, LPT = L::LPT, NV = L::NV, TPW = L::TPW, HPL = L::HEADS_PER_LANE;
+  constexpr int TT = TL::TT, U = TL::U, S = TL::S, ROW = TL::ROW_BYTES;
   typedef Vec<T, VEC> VecT;
 
-  __shared__ float s_scores[GQ][kTile];
-  __shared__ float s_acc[kWarps][GQ][D];
-  __shared__ int s_blocks[kMaxBlocksPerTile];
-  __shared__ float s_max[GQ], s_sum[GQ], s_rescale[GQ];
+  __shared__ __align__(16) unsigned char smem[TL::SMEM_BYTES];
+  __shared__ float s_m[kWarps][GQ], s_l[kWarps][GQ];
+  __shared__ int s_last;
 
   const int seq = blockIdx.x;
   const int kv_head = blockIdx.y / p.chunks;
   const int g0 = (blockIdx.y - kv_head * p.chunks) * p.per_chunk;
-  const int heads = min(p.per_chunk, p.group - g0);  // query heads this block serves (<= GQ)
+  const int heads = min(p.per_chunk, p.group - g0);  // query heads this CTA serves (<= GQ)
   const int head0 = kv_head * p.group + g0;
   const int split = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int li = lane % LPT;   // lane within its token group
   const int tig = lane / LPT;  // token group within the warp
+  const int gbase = tig * LPT;  // first lane of the group
 
   const int seq_len = max(p.seq_lens[seq], 0);
   const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
-  const int st = seq_split_tokens(seq_len - lo, p.splits);
-  const int begin = p.splits == 1 ? lo : lo + split * st;
-  const int end = p.splits == 1 ? seq_len : min(seq_len, lo + (split + 1) * st);
-  if (p.splits == 1 && begin >= end) {
-    // Empty sequence (a graph padding row): zeros, never uninitialised memory.
-    T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride;
-    for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-      out[(int64_t)(head0 + i / D) * p.out_head_stride + i % D] = Conv<T>::from_float(0.0f);
+  const int span = seq_len - lo;
+  const int n_active = active_splits(span, p.splits, p.split_unit);
+  if (n_active == 0) {
+    // Empty sequence (a graph padding row): zeros, never uninitialised memory; split 0 writes them.
+    if (split == 0) {
+      T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride;
+      for (int i = threadIdx.x; i < heads * D; i += kThreads) {
+        out[(int64_t)(head0 + i / D) * p.out_head_stride + i % D] = Conv<T>::from_float(0.0f);
+      }
     }
     return;
   }
-  if (begin >= end) return;  // split mode: the merge kernel skips splits without tokens
+  if (split >= n_active) return;  // an idle split: no tokens, no ticket
+  const int st = seq_split_tokens(span, p.splits, p.split_unit);
+  const int begin = lo + split * st;
+  const int end = p.splits == 1 ? seq_len : min(seq_len, begin + st);
+  const int num_tiles = (end - begin + TT - 1) / TT;
 
   const T* k_cache = static_cast<const T*>(p.k_cache) + (int64_t)kv_head * p.head_stride;
   const T* v_cache = static_cast<const T*>(p.v_cache) + (int64_t)kv_head * p.head_stride;
   const int32_t* table = p.block_tables + (int64_t)seq * p.block_table_stride;
-  const T* q_base = static_cast<const T*>(p.q) + (int64_t)seq * p.q_seq_stride + (int64_t)head0 * p.q_head_stride;
   const int block_mask = (1 << p.block_shift) - 1;
 
-  if (threadIdx.x < GQ) {
-    s_max[threadIdx.x] = -INFINITY;
-    s_sum[threadIdx.x] = 0.0f;
+  // ---- pipeline prologue: block ids of the first S - 1 tiles (one round trip), then their copies --
+  {
+    int ids[S - 1][TL::NCH];
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) load_ids<T, D, GQ>(ids[s], table, begin + s * TT, end, p.block_shift);
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) {
+      if (s < num_tiles) issue_tile<T, D, GQ>(smem + s * TL::STAGE_BYTES, k_cache, v_cache, ids[s], begin + s * TT,
+                                              end, p, block_mask);
+      cp_async_commit();  // empty groups keep the group count uniform
+    }
   }
+  int next_ids[TL::NCH];
+  load_ids<T, D, GQ>(next_ids, table, begin + (S - 1) * TT, end, p.block_shift);
+
+  // q (in flight with the first tiles), padded heads as zeros.
+  float qf[GQ][NV][VEC];
+  {
+    const T* q_base =
+        static_cast<const T*>(p.q) + (int64_t)seq * p.q_seq_stride + (int64_t)head0 * p.q_head_stride;
+#pragma unroll
+    for (int h = 0; h < GQ; ++h)
+#pragma unroll
+      for (int v = 0; v < NV; ++v) {
+        const int vi = li + v * LPT;
+        if (h < heads && vi < NVEC) {
+          to_float(*reinterpret_cast<const VecT*>(q_base + (int64_t)h * p.q_head_stride + vi * VEC), qf[h][v]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) qf[h][v][e] = 0.0f;
+        }
+      }
+  }
+
+  // Per token group: the running max and sum of head li / HPL (replicated over its HPL lanes) and
+  // the unnormalised output of every head over this lane's vectors.
+  float m_own = -INFINITY, l_own = 0.0f;
   float acc[GQ][NV][VEC];
 #pragma unroll
   for (int h = 0; h < GQ; ++h)
@@ -162,174 +307,148 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[h][v][e] = 0.0f;
 
-  for (int tile0 = begin; tile0 < end; tile0 += kTile) {
-    const int tile_len = min(kTile, end - tile0);
-    const int first_block = tile0 >> p.block_shift;
-    const int num_blocks = ((tile0 + tile_len - 1) >> p.block_shift) - first_block + 1;
-    for (int i = threadIdx.x; i < num_blocks; i += kThreads) s_blocks[i] = table[first_block + i];
-    __syncthreads();
+  for (int j = 0; j < num_tiles; ++j) {
+    cp_async_wait<S - 2>();  // tile j has landed (for this thread's copies) ...
+    __syncthreads();         // ... and for every thread's; all warps are done with tile j - 1
+    if (j + S - 1 < num_tiles) {
+      issue_tile<T, D, GQ>(smem + ((j + S - 1) % S) * TL::STAGE_BYTES, k_cache, v_cache, next_ids,
+                           begin + (j + S - 1) * TT, end, p, block_mask);
+    }
+    cp_async_commit();
+    if (j + S < num_tiles) load_ids<T, D, GQ>(next_ids, table, begin + (j + S) * TT, end, p.block_shift);
 
-    // ---- scores: s[h][t] = scale * q[h] . k[t] ------------------------------------------------
-    {
-      float qf[GQ][NV][VEC];
+    const unsigned char* k_tile = smem + (j % S) * TL::STAGE_BYTES;
+    const unsigned char* v_tile = k_tile + TT * ROW;
+    const int tile0 = begin + j * TT;
+
+    // ---- scores of this group's U tokens: sc[u] = head (li / HPL)'s score -------------------
+    float sc[U];
 #pragma unroll
-      for (int h = 0; h < GQ; ++h)
+    for (int u = 0; u < U; ++u) {
+      const int t = u * TL::PASS + warp * TPW + tig;
+      const bool valid = tile0 + t < end;  // uniform over the token group
+      float part[GQ];
+#pragma unroll
+      for (int h = 0; h < GQ; ++h) part[h] = 0.0f;
+      if (valid) {
 #pragma unroll
         for (int v = 0; v < NV; ++v) {
           const int vi = li + v * LPT;
-          if (h < heads && vi < NVEC) {
-            to_float(*reinterpret_cast<const VecT*>(q_base + (int64_t)h * p.q_head_stride + vi * VEC), qf[h][v]);
-          } else {
+          if (vi < NVEC) {
+            float kf[VEC];
+            to_float(*reinterpret_cast<const VecT*>(k_tile + t * ROW + vi * VEC * (int)sizeof(T)), kf);
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) qf[h][v][e] = 0.0f;
-          }
-        }
-      // Warp-uniform loop: every lane takes part in the shuffles below.
-      for (int base = warp * TPW * UNROLL; base < tile_len; base += kWarps * TPW * UNROLL) {
-        VecT kv[UNROLL][NV];
+            for (int h = 0; h < GQ; ++h)
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const int t = base + u * TPW + tig;
-          if (t < tile_len) {
-            const int pos = tile0 + t;
-            const int64_t row = (int64_t)s_blocks[(pos >> p.block_shift) - first_block] * p.block_stride +
-                                (int64_t)(pos & block_mask) * p.token_stride;
-#pragma unroll
-            for (int v = 0; v < NV; ++v) {
-              const int vi = li + v * LPT;
-              if (vi < NVEC) kv[u][v] = *reinterpret_cast<const VecT*>(k_cache + row + vi * VEC);
-            }
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const int t = base + u * TPW + tig;
-          float part[GQ];
-#pragma unroll
-          for (int h = 0; h < GQ; ++h) part[h] = 0.0f;
-          if (t < tile_len) {
-#pragma unroll
-            for (int v = 0; v < NV; ++v) {
-              if (li + v * LPT < NVEC) {
-                float kf[VEC];
-                to_float(kv[u][v], kf);
-#pragma unroll
-                for (int h = 0; h < GQ; ++h)
-#pragma unroll
-                  for (int e = 0; e < VEC; ++e) part[h] = fmaf(qf[h][v][e], kf[e], part[h]);
-              }
-            }
-          }
-          // Reduce-scatter the GQ partial sums over the LPT lanes of the token: each halving step
-          // keeps half of the heads and trades the other half with the partner lane, so the work
-          // is GQ - 1 + log2(LPT / GQ) shuffles instead of GQ * log2(LPT).
-#pragma unroll
-          for (int c = GQ; c > 1; c >>= 1) {
-            const int offset = LPT * c / (2 * GQ);
-            const bool upper = (li & offset) != 0;
-#pragma unroll
-            for (int i = 0; i < c / 2; ++i) {
-              const float send = upper ? part[i] : part[i + c / 2];
-              const float keep = upper ? part[i + c / 2] : part[i];
-              part[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
-            }
-          }
-#pragma unroll
-          for (int offset = L::HEADS_PER_LANE / 2; offset > 0; offset >>= 1) {
-            part[0] += __shfl_xor_sync(0xffffffffu, part[0], offset);
-          }
-          if (t < tile_len && li % L::HEADS_PER_LANE == 0) {
-            float score = part[0] * p.scale;
-            if (p.softcap > 0.0f) score = p.softcap * tanhf(score / p.softcap);
-            s_scores[li / L::HEADS_PER_LANE][t] = score;
+              for (int e = 0; e < VEC; ++e) part[h] = fmaf(qf[h][v][e], kf[e], part[h]);
           }
         }
       }
+      // Reduce-scatter the GQ partial sums over the LPT lanes of the token: each halving step
+      // keeps half of the heads and trades the other half with the partner lane, so the work
+      // is GQ - 1 + log2(LPT / GQ) shuffles instead of GQ * log2(LPT).
+#pragma unroll
+      for (int c = GQ; c > 1; c >>= 1) {
+        const int offset = LPT * c / (2 * GQ);
+        const bool upper = (li & offset) != 0;
+#pragma unroll
+        for (int i = 0; i < c / 2; ++i) {
+          const float send = upper ? part[i] : part[i + c / 2];
+          const float keep = upper ? part[i + c / 2] : part[i];
+          part[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+        }
+      }
+#pragma unroll
+      for (int offset = HPL / 2; offset > 0; offset >>= 1) {
+        part[0] += __shfl_xor_sync(0xffffffffu, part[0], offset);
+      }
+      float score = part[0] * p.scale;
+      if (p.softcap > 0.0f) score = p.softcap * tanhf(score / p.softcap);
+      sc[u] = valid ? score : -INFINITY;
     }
-    __syncthreads();
 
-    // ---- online softmax over the tile, one warp per head -----------------------------------
-    for (int h = warp; h < GQ; h += kWarps) {
-      float m = -INFINITY;
-      for (int t = lane; t < tile_len; t += 32) m = fmaxf(m, s_scores[h][t]);
+    // ---- online softmax of the group: rescale only when the running max grows ----------------
+    float mx = sc[0];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      const float m_old = s_max[h];
-      const float m_new = fmaxf(m_old, m);
-      float sum = 0.0f;
-      for (int t = lane; t < tile_len; t += 32) {
-        const float e = __expf(s_scores[h][t] - m_new);
-        s_scores[h][t] = e;
-        sum += e;
-      }
-      sum = warp_sum(sum);
-      if (lane == 0) {
-        const float r = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
-        s_rescale[h] = r;
-        s_sum[h] = s_sum[h] * r + sum;
-        s_max[h] = m_new;
-      }
+    for (int u = 1; u < U; ++u) mx = fmaxf(mx, sc[u]);
+    float r = 1.0f;
+    if (mx > m_own) {
+      r = __expf(m_own - mx);  // 0 while nothing was seen (m_own = -inf)
+      m_own = mx;
     }
-    __syncthreads();
-
-    // ---- values: acc[h] = acc[h] * rescale[h] + sum_t p[h][t] * v[t] ------------------------
+    float pr[U];
+    float psum = 0.0f;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      pr[u] = sc[u] == -INFINITY ? 0.0f : __expf(sc[u] - m_own);
+      psum += pr[u];
+    }
+    l_own = l_own * r + psum;
 #pragma unroll
     for (int h = 0; h < GQ; ++h) {
-      const float r = s_rescale[h];
+      const float rh = __shfl_sync(0xffffffffu, r, gbase + h * HPL);
+      if (rh != 1.0f) {
 #pragma unroll
-      for (int v = 0; v < NV; ++v)
+        for (int v = 0; v < NV; ++v)
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[h][v][e] *= r;
-    }
-    for (int base = warp * TPW * UNROLL; base < tile_len; base += kWarps * TPW * UNROLL) {
-      VecT vv[UNROLL][NV];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int t = base + u * TPW + tig;
-        if (t < tile_len) {
-          const int pos = tile0 + t;
-          const int64_t row = (int64_t)s_blocks[(pos >> p.block_shift) - first_block] * p.block_stride +
-                              (int64_t)(pos & block_mask) * p.token_stride;
-#pragma unroll
-          for (int v = 0; v < NV; ++v) {
-            const int vi = li + v * LPT;
-            if (vi < NVEC) vv[u][v] = *reinterpret_cast<const VecT*>(v_cache + row + vi * VEC);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int t = base + u * TPW + tig;
-        if (t < tile_len) {
-          float w[GQ];
-#pragma unroll
-          for (int h = 0; h < GQ; ++h) w[h] = s_scores[h][t];
-#pragma unroll
-          for (int v = 0; v < NV; ++v) {
-            if (li + v * LPT < NVEC) {
-              float vf[VEC];
-              to_float(vv[u][v], vf);
-#pragma unroll
-              for (int h = 0; h < GQ; ++h)
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[h][v][e] = fmaf(w[h], vf[e], acc[h][v][e]);
-            }
-          }
-        }
+          for (int e = 0; e < VEC; ++e) acc[h][v][e] *= rh;
       }
     }
-    __syncthreads();  // the next tile overwrites s_blocks and s_scores
-  }
 
-  // ---- combine the token groups of each warp, then the warps ---------------------------------
+    // ---- values: acc[h] += p[h][t] * v[t] ----------------------------------------------------
 #pragma unroll
-  for (int offset = LPT; offset < 32; offset <<= 1)
+    for (int u = 0; u < U; ++u) {
+      float w[GQ];
 #pragma unroll
-    for (int h = 0; h < GQ; ++h)
+      for (int h = 0; h < GQ; ++h) w[h] = __shfl_sync(0xffffffffu, pr[u], gbase + h * HPL);
+      const int t = u * TL::PASS + warp * TPW + tig;
+      if (tile0 + t < end) {  // rows past the end were never loaded: never read them
+#pragma unroll
+        for (int v = 0; v < NV; ++v) {
+          const int vi = li + v * LPT;
+          if (vi < NVEC) {
+            float vf[VEC];
+            to_float(*reinterpret_cast<const VecT*>(v_tile + t * ROW + vi * VEC * (int)sizeof(T)), vf);
+#pragma unroll
+            for (int h = 0; h < GQ; ++h)
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) acc[h][v][e] = fmaf(w[h], vf[e], acc[h][v][e]);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the combine below reuses the stage memory
+
+  // ---- combine the token groups of each warp (max-rescaled), then the warps -----------------
+  float mh[GQ], lh[GQ];
+#pragma unroll
+  for (int h = 0; h < GQ; ++h) {
+    mh[h] = __shfl_sync(0xffffffffu, m_own, gbase + h * HPL);
+    lh[h] = __shfl_sync(0xffffffffu, l_own, gbase + h * HPL);
+  }
+#pragma unroll
+  for (int offset = LPT; offset < 32; offset <<= 1) {
+#pragma unroll
+    for (int h = 0; h < GQ; ++h) {
+      const float m_o = __shfl_xor_sync(0xffffffffu, mh[h], offset);
+      const float l_o = __shfl_xor_sync(0xffffffffu, lh[h], offset);
+      const float m_new = fmaxf(mh[h], m_o);
+      const float ra = mh[h] == -INFINITY ? 0.0f : __expf(mh[h] - m_new);
+      const float rb = m_o == -INFINITY ? 0.0f : __expf(m_o - m_new);
 #pragma unroll
       for (int v = 0; v < NV; ++v)
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[h][v][e] += __shfl_xor_sync(0xffffffffu, acc[h][v][e], offset);
+        for (int e = 0; e < VEC; ++e) {
+          const float a_o = __shfl_xor_sync(0xffffffffu, acc[h][v][e], offset);
+          acc[h][v][e] = acc[h][v][e] * ra + a_o * rb;
+        }
+      lh[h] = lh[h] * ra + l_o * rb;
+      mh[h] = m_new;
+    }
+  }
+  float* s_acc = reinterpret_cast<float*>(smem);  // [kWarps][GQ][D]
   if (tig == 0) {
 #pragma unroll
     for (int h = 0; h < GQ; ++h)
@@ -338,58 +457,108 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
         const int vi = li + v * LPT;
         if (vi < NVEC) {
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) s_acc[warp][h][vi * VEC + e] = acc[h][v][e];
+          for (int e = 0; e < VEC; ++e) s_acc[(warp * GQ + h) * D + vi * VEC + e] = acc[h][v][e];
         }
       }
+    if (li == 0) {
+#pragma unroll
+      for (int h = 0; h < GQ; ++h) {
+        s_m[warp][h] = mh[h];
+        s_l[warp][h] = lh[h];
+      }
+    }
   }
   __syncthreads();
+
+  const bool direct = n_active == 1;  // this CTA holds the whole span: write the output itself
+  const int64_t row_base = ((int64_t)seq * p.num_heads + head0) * p.splits + split;
   for (int i = threadIdx.x; i < heads * D; i += kThreads) {
     const int h = i / D, d = i - h * D;
-    float o = 0.0f;
+    float m = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) o += s_acc[w][h][d];
-    const float sum = s_sum[h];
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s_m[w][h]);
+    float o = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = s_m[w][h] == -INFINITY ? 0.0f : __expf(s_m[w][h] - m);
+      o += s_acc[(w * GQ + h) * D + d] * f;
+      sum += s_l[w][h] * f;
+    }
     o = sum > 0.0f ? o / sum : 0.0f;
-    if (p.splits == 1) {
+    if (direct) {
       T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)(head0 + h) * p.out_head_stride;
       out[d] = Conv<T>::from_float(o);
     } else {
-      const int64_t row = ((int64_t)seq * p.num_heads + head0 + h) * p.splits + split;
+      const int64_t row = row_base + (int64_t)h * p.splits;
       p.partial_out[row * D + d] = o;
       if (d == 0) {
-        p.partial_stats[row * 2] = s_max[h];
+        p.partial_stats[row * 2] = m;
         p.partial_stats[row * 2 + 1] = sum;
       }
     }
   }
+  if (direct || !p.fused) return;
+
+  // ---- fused merge: the last split CTA of this (sequence, KV-head chunk) combines them all ------
+  __threadfence();  // this thread's partials are visible device-wide before the ticket is taken
+  __syncthreads();
+  unsigned int* counter = p.counters + (int64_t)seq * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) {
+    const unsigned int ticket = atomicAdd(counter, 1u);
+    s_last = ticket == (unsigned int)(n_active - 1);
+    if (s_last) *counter = 0u;  // every active split has arrived: leave it zero for the next call
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int64_t row0 = ((int64_t)seq * p.num_heads + head0) * p.splits;
+  for (int i = threadIdx.x; i < heads * D; i += kThreads) {
+    const int h = i / D, d = i - h * D;
+    const int64_t r0 = row0 + (int64_t)h * p.splits;
+    float m = -INFINITY, sum = 0.0f, o = 0.0f;
+#pragma unroll 4
+    for (int sp = 0; sp < n_active; ++sp) {
+      // L2 reads (__ldcg): other CTAs wrote these, this SM's L1 may hold nothing valid for them.
+      const float m_i = __ldcg(p.partial_stats + (r0 + sp) * 2);
+      const float s_i = __ldcg(p.partial_stats + (r0 + sp) * 2 + 1);
+      const float o_i = __ldcg(p.partial_out + (r0 + sp) * D + d);
+      if (m_i > m) {
+        const float f = m == -INFINITY ? 0.0f : __expf(m - m_i);
+        o *= f;
+        sum *= f;
+        m = m_i;
+      }
+      const float w = m_i == -INFINITY ? 0.0f : s_i * __expf(m_i - m);
+      o = fmaf(w, o_i, o);
+      sum += w;
+    }
+    T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)(head0 + h) * p.out_head_stride;
+    out[d] = Conv<T>::from_float(sum > 0.0f ? o / sum : 0.0f);
+  }
 }
 
-// Merges the splits of one (sequence, query head): out = sum_i w_i o_i / sum_i w_i with
-// w_i = sum_i * exp(max_i - max). Only splits that overlap the sequence's attended range are read.
+// Merges the splits of one (sequence, query head) when the main kernel could not (more
+// sequence x head chunks than the workspace has tickets): out = sum_i w_i o_i / sum_i w_i with
+// w_i = sum_i * exp(max_i - max). Sequences that one CTA covered were written by the main kernel.
 template <typename T>
 __global__ void merge_splits_kernel(const Params p, int head_size) {
   const int seq = blockIdx.x, head = blockIdx.y;
-  T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)head * p.out_head_stride;
   const int seq_len = max(p.seq_lens[seq], 0);
-  if (seq_len == 0) {
-    for (int d = threadIdx.x; d < head_size; d += blockDim.x) out[d] = Conv<T>::from_float(0.0f);
-    return;
-  }
   const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
-  const int span = seq_len - lo;  // >= 1 here
-  const int first = 0;
-  const int last = min((span - 1) / seq_split_tokens(span, p.splits), p.splits - 1);
+  const int n_active = active_splits(seq_len - lo, p.splits, p.split_unit);
+  if (n_active <= 1) return;
+  T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)head * p.out_head_stride;
   const int64_t row0 = ((int64_t)seq * p.num_heads + head) * p.splits;
   float m = -INFINITY;
-  for (int i = first; i <= last; ++i) m = fmaxf(m, p.partial_stats[(row0 + i) * 2]);
+  for (int i = 0; i < n_active; ++i) m = fmaxf(m, p.partial_stats[(row0 + i) * 2]);
   float total = 0.0f;
-  for (int i = first; i <= last; ++i) {
+  for (int i = 0; i < n_active; ++i) {
     total += p.partial_stats[(row0 + i) * 2 + 1] * __expf(p.partial_stats[(row0 + i) * 2] - m);
   }
   const float inv = total > 0.0f ? 1.0f / total : 0.0f;
   for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
     float o = 0.0f;
-    for (int i = first; i <= last; ++i) {
+    for (int i = 0; i < n_active; ++i) {
       const float w = p.partial_stats[(row0 + i) * 2 + 1] * __expf(p.partial_stats[(row0 + i) * 2] - m);
       o += w * p.partial_out[(row0 + i) * head_size + d];
     }
@@ -398,7 +567,8 @@ __global__ void merge_splits_kernel(const Params p, int head_size) {
 }
 
 struct Plan {
-  int chunks, per_chunk, gq, splits, split_tokens;
+  int chunks, per_chunk, gq, splits;
+  bool fused;  // the last split CTA merges (tickets fit in the workspace's counter slots)
   int64_t workspace_bytes;
 };
 
@@ -411,29 +581,41 @@ static Plan make_plan(int num_seqs, int num_heads, int num_kv_heads, int head_si
   plan.per_chunk = (group + plan.chunks - 1) / plan.chunks;
   plan.gq = pow2_ceil(plan.per_chunk);
   const int64_t units = max_seq_len <= 0 ? 1 : (max_seq_len + kSplitUnit - 1) / kSplitUnit;
+  const int64_t ctas = (int64_t)num_seqs * num_kv_heads * plan.chunks;
   int64_t splits = 1;
   if (num_splits > 0) {
     splits = num_splits;
-  } else {
-    const int64_t ctas = (int64_t)num_seqs * num_kv_heads * plan.chunks;
-    if (ctas < kTargetCtas) splits = (kTargetCtas + ctas - 1) / ctas;
+  } else if (ctas < kTargetCtas) {
+    splits = (kTargetCtas + ctas - 1) / ctas;
   }
   if (splits > units) splits = units;
   if (splits > 65535) splits = 65535;
   plan.splits = (int)splits;
-  plan.split_tokens = 0;  // chosen per sequence in the kernels (seq_split_tokens)
+  plan.fused = splits > 1 && ctas <= kCounterSlots;
+  // Layout: [kCounterBytes of tickets][partial outputs][partial (max, sum)]. The tickets sit at a
+  // fixed place, so calls of other sizes sharing one workspace never write over them.
   plan.workspace_bytes =
-      splits > 1 ? (int64_t)num_seqs * num_heads * splits * (head_size + 2) * (int64_t)sizeof(float) : 0;
+      splits > 1 ? kCounterBytes + (int64_t)num_seqs * num_heads * splits * (head_size + 2) * (int64_t)sizeof(float)
+                 : 0;
   return plan;
+}
+
+template <typename T, int D, int GQ>
+static void launch_kernel(Params p, dim3 grid, cudaStream_t s) {
+  p.split_unit = Tiling<T, D, GQ>::UNIT;
+  paged_decode_kernel<T, D, GQ><<<grid, kThreads, 0, s>>>(p);
+  if (p.splits > 1 && !p.fused) {
+    merge_splits_kernel<T><<<dim3(grid.x, (unsigned)p.num_heads), 128, 0, s>>>(p, D);
+  }
 }
 
 template <typename T, int D>
 static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
   switch (gq) {
-    case 1: paged_decode_kernel<T, D, 1><<<grid, kThreads, 0, s>>>(p); break;
-    case 2: paged_decode_kernel<T, D, 2><<<grid, kThreads, 0, s>>>(p); break;
-    case 4: paged_decode_kernel<T, D, 4><<<grid, kThreads, 0, s>>>(p); break;
-    default: paged_decode_kernel<T, D, (D > 128 ? 4 : 8)><<<grid, kThreads, 0, s>>>(p); break;
+    case 1: launch_kernel<T, D, 1>(p, grid, s); break;
+    case 2: launch_kernel<T, D, 2>(p, grid, s); break;
+    case 4: launch_kernel<T, D, 4>(p, grid, s); break;
+    default: launch_kernel<T, D, (D > 128 ? 4 : 8)>(p, grid, s); break;
   }
 }
 
@@ -448,12 +630,7 @@ static int launch(const Params& p, int head_size, int gq, int num_seqs, cudaStre
     case 256: launch_for_gq<T, 256>(p, gq, grid, s); break;
     default: return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_decode_attention: unsupported head size %d", head_size);
   }
-  if (int rc = check_launch("paged_decode_attention")) return rc;
-  if (p.splits > 1) {
-    merge_splits_kernel<T><<<dim3((unsigned)num_seqs, (unsigned)p.num_heads), 128, 0, s>>>(p, head_size);
-    return check_launch("paged_decode_attention (merge)");
-  }
-  return WLLM_OK;
+  return check_launch("paged_decode_attention");
 }
 
 static bool supported_head_size(int d) { return d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
@@ -535,7 +712,8 @@ WLLM_API int WLLM_FN(wllm_paged_decode_attention)(
   p.v_cache = v_cache;
   p.block_tables = block_tables;
   p.seq_lens = seq_lens;
-  p.partial_out = static_cast<float*>(workspace);
+  p.counters = static_cast<unsigned int*>(workspace);
+  p.partial_out = plan.splits > 1 ? reinterpret_cast<float*>(static_cast<char*>(workspace) + kCounterBytes) : nullptr;
   p.partial_stats = plan.splits > 1 ? p.partial_out + (int64_t)num_seqs * num_heads * plan.splits * head_size : nullptr;
   p.q_seq_stride = q_seq_stride;
   p.q_head_stride = q_head_stride;
@@ -553,7 +731,8 @@ WLLM_API int WLLM_FN(wllm_paged_decode_attention)(
   p.block_shift = 0;
   while ((1 << p.block_shift) < block_size) ++p.block_shift;
   p.splits = plan.splits;
-  p.split_tokens = plan.split_tokens;
+  p.split_unit = 0;  // set per instantiation by launch_kernel
+  p.fused = plan.fused ? 1 : 0;
   p.scale = scale;
   p.softcap = logit_softcap;
   p.window = sliding_window;

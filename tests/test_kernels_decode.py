@@ -298,7 +298,7 @@ def test_kv_write_and_decode_inside_cuda_graph(num_splits: int) -> None:
     tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device="cuda")
     lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
     slots = torch.zeros(num_seqs, dtype=torch.int64, device="cuda")
-    workspace = torch.empty(ops.decode_workspace_size(num_seqs, num_heads, kv_heads, head_size, max_seq_len,
+    workspace = torch.zeros(ops.decode_workspace_size(num_seqs, num_heads, kv_heads, head_size, max_seq_len,
                                                       num_splits) // 4 + 1, device="cuda")
 
     def step() -> torch.Tensor:
@@ -323,3 +323,116 @@ def test_kv_write_and_decode_inside_cuda_graph(num_splits: int) -> None:
         torch.cuda.synchronize()
         assert torch.equal(cache, cache_ref), f"replay {trial}: KV write"
         torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2, msg=lambda m, t=trial: f"replay {t}: {m}")
+
+
+TICKET_WORDS = 4096  # the fused split merge's tickets at the start of the workspace (csrc/attention_decode.cu)
+
+
+def zeroed_workspace(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
+                     num_splits: int = 0) -> torch.Tensor:
+    size = ops.decode_workspace_size(num_seqs, num_heads, num_kv_heads, head_size, max_seq_len, num_splits)
+    return torch.zeros(size // 4 + 1, device="cuda")
+
+
+def assert_tickets_zero(workspace: torch.Tensor, what: str = "") -> None:
+    """Every call must leave its tickets at zero, or the next call (or graph replay) merges too early."""
+    tickets = workspace[:TICKET_WORDS].view(torch.int32) if workspace.numel() >= TICKET_WORDS else workspace
+    assert torch.count_nonzero(tickets) == 0, f"{what}: split-merge tickets left non-zero"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 14, 2), (128, 32, 8), (80, 5, 5), (256, 8, 1)])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_paged_decode_cuda_odd_contexts_big_graph_max(dtype, head_size, num_heads, num_kv_heads, block_size) -> None:
+    """Contexts around tile, block and split edges under a graph-sized max_seq_len (8192), with the
+    automatic split (fused merge), no split, and forced splits (some sequences shorter than one split)."""
+    lens = [1, 17, 129, 1000, 4097, 0, 95, 96, 97]
+    q, cache, tables, lens_t = make_paged(lens, num_heads, num_kv_heads, head_size, block_size, dtype, "cuda", 14)
+    scale = head_size**-0.5
+    want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale)
+    for splits in (0, 1, 2, 7, 64):
+        workspace = zeroed_workspace(len(lens), num_heads, num_kv_heads, head_size, 8192, splits)
+        for repeat in range(2):  # the second call finds the tickets the first one left
+            got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale, max_seq_len=8192,
+                                                 num_splits=splits, workspace=workspace)
+            for s, n in enumerate(lens):
+                torch.testing.assert_close(got[s], want[s], rtol=TOL[dtype][0], atol=TOL[dtype][1],
+                                           msg=lambda m, s=s, n=n, k=splits, r=repeat: f"splits={k} call {r} seq {s} "
+                                                                                        f"(len {n}): {m}")
+            assert_tickets_zero(workspace, f"splits={splits}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 14, 2), (128, 32, 8)])
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_paged_decode_fused_merge_inside_cuda_graph(head_size, num_heads, num_kv_heads, num_seqs) -> None:
+    """The latency path as the engine runs it: one graph captured for max_seq_len 8192 at batch 1 or 3
+    (many splits, the merge fused into the last CTA), replayed with lengths that use one, a few and many
+    splits, then empty rows, then long ones again; tickets must be zero after every replay."""
+    torch.manual_seed(15)
+    dtype, block_size, max_seq_len = torch.bfloat16, 16, 8192
+    max_blocks = max_seq_len // block_size
+    num_blocks = num_seqs * max_blocks + 1
+    cache = torch.randn(1, 2, num_blocks, block_size, num_kv_heads, head_size, device="cuda", dtype=dtype)
+    q = torch.randn(num_seqs, num_heads, head_size, device="cuda", dtype=dtype)
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device="cuda")
+    lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
+    workspace = zeroed_workspace(num_seqs, num_heads, num_kv_heads, head_size, max_seq_len)
+    assert workspace.numel() > TICKET_WORDS  # this shape does split
+
+    def step() -> torch.Tensor:
+        return kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, head_size**-0.5,
+                                              max_seq_len=max_seq_len, workspace=workspace)
+
+    graph, out = capture_graph(step)
+    trials = [[128, 512, 1], [1, 17, 129], [4097, 1000, 8192], [0, 0, 0], [400, 0, 8000], [129, 129, 129],
+              [5000, 3, 64]]
+    for trial, seq_lens in enumerate(trials):
+        seq_lens = seq_lens[:num_seqs]
+        perm = torch.randperm(num_blocks - 1, device="cuda")[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+        tables.copy_(perm.int())
+        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))  # stale output must not survive a replay
+        want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, head_size**-0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2,
+                                   msg=lambda m, t=trial, n=seq_lens: f"replay {t} lens {n}: {m}")
+        assert_tickets_zero(workspace, f"replay {trial}")
+
+
+@pytest.mark.cuda
+def test_paged_decode_workspace_shared_by_calls_of_other_sizes() -> None:
+    """One zeroed workspace sized for the largest call serves smaller and larger batches in any order (as
+    the engine's graphs and eager steps share it): partials of one size never land on another's tickets."""
+    num_heads, num_kv_heads, head_size, max_seq_len = 8, 2, 128, 4096
+    sizes = [1, 64, 2, 300, 8, 1]
+    workspace = torch.zeros(max(ops.decode_workspace_size(b, num_heads, num_kv_heads, head_size, max_seq_len)
+                                for b in sizes) // 4 + 1, device="cuda")
+    for i, b in enumerate(sizes):
+        longest = 3000 if b <= 64 else 200  # keeps the random cache small
+        lens = [(97 * (i + 1) * (s + 3)) % longest + 1 for s in range(b)]
+        q, cache, tables, lens_t = make_paged(lens, num_heads, num_kv_heads, head_size, 16, torch.bfloat16, "cuda",
+                                              seed=16 + i)
+        want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, 0.1)
+        got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, 0.1,
+                                             max_seq_len=max_seq_len, workspace=workspace)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m, b=b: f"batch {b}: {m}")
+        assert_tickets_zero(workspace, f"batch {b}")
+
+
+@pytest.mark.cuda
+def test_paged_decode_separate_merge_when_tickets_do_not_fit() -> None:
+    """More (sequence, KV head) pairs than tickets with a forced split: the second merge kernel runs
+    instead of the fused merge, and still leaves short sequences (written by the main kernel) alone."""
+    num_seqs, num_heads, num_kv_heads, head_size = 520, 8, 8, 64  # 4,160 pairs > 4,096 tickets
+    lens = [(s * 37) % 200 for s in range(num_seqs)]  # includes 0 and lengths shorter than one split
+    q, cache, tables, lens_t = make_paged(lens, num_heads, num_kv_heads, head_size, 16, torch.float16, "cuda", 17)
+    want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, 0.125)
+    workspace = zeroed_workspace(num_seqs, num_heads, num_kv_heads, head_size, 512, 4)
+    got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, 0.125, max_seq_len=512,
+                                         num_splits=4, workspace=workspace)
+    torch.testing.assert_close(got, want, rtol=4e-3, atol=4e-3)
+    assert_tickets_zero(workspace, "separate merge")

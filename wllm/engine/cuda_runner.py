@@ -177,7 +177,8 @@ class CudaStepRunner:
         index = self.device.index or 0
         need = max([decode_workspace_size(b, self.num_heads, self.num_kv_heads, self.head_dim, self.max_seq_len,
                                           device=index) for b in sizes] + [0])
-        self.workspace = torch.empty((need + 3) // 4, dtype=torch.float32, device=self.device) if need else None
+        # Zero-filled once: decode attention keeps its split-merge tickets there and leaves them zero.
+        self.workspace = torch.zeros((need + 3) // 4, dtype=torch.float32, device=self.device) if need else None
         self._host_graph_out: dict[int, torch.Tensor] = {}  # pinned fp64 [2, B] per graph size
         self.num_graph_steps = 0
         self.num_eager_steps = 0

@@ -389,7 +389,8 @@ def _cuda_copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor,
 
 def decode_workspace_size(num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, max_seq_len: int,
                           num_splits: int = 0, device: int = 0) -> int:
-    """Bytes of fp32 workspace paged_decode_attention needs for these sizes (0: it will not split)."""
+    """Bytes of fp32 workspace paged_decode_attention needs for these sizes (0: it will not split).
+    Allocate it zero-filled (torch.zeros): its first bytes hold the split-merge tickets."""
     size = _lib.c_int64(0)
     lib = _lib.binding(device)
     lib.check(lib.wllm_paged_decode_workspace_size(num_seqs, num_heads, num_kv_heads, head_size, max_seq_len,
@@ -436,7 +437,8 @@ def _cuda_paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value
     device = q.device.index or 0
     need = decode_workspace_size(num_seqs, num_heads, key_cache.shape[2], head_size, max_seq_len, num_splits, device)
     if need and workspace is None:
-        workspace = torch.empty((need + 3) // 4, dtype=torch.float32, device=q.device)
+        # Zeroed: the fused split merge keeps its tickets there (each call leaves them zero).
+        workspace = torch.zeros((need + 3) // 4, dtype=torch.float32, device=q.device)
     bt = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     lib = _lib.binding(device)
     lib.check(lib.wllm_paged_decode_attention(
@@ -618,8 +620,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     q [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks]; seq_lens
     int32 [S] (0 = padding row -> zeros). max_seq_len bounds seq_lens on the host (default: the block
     table's capacity) and sizes the split-KV grid; keep it fixed across CUDA-graph replays. num_splits
-    0 chooses the split automatically. workspace: fp32 of decode_workspace_size(...) bytes (allocated
-    when None).
+    0 chooses the split automatically. workspace: fp32 of decode_workspace_size(...) bytes, zero-filled
+    before its first use (allocated when None); every call leaves its ticket counters zero again, so one
+    zeroed workspace serves any number of calls, CUDA-graph replays included, on one stream at a time.
     """
     window, cap = int(sliding_window or 0), float(logit_softcap or 0.0)
     if max_seq_len is None:
