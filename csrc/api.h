@@ -19,7 +19,7 @@
 #define WLLM_FN(name) WLLM_CAT(name, WLLM_SYMBOL_SUFFIX)
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatched library.
-#define WLLM_ABI_VERSION 1
+#define WLLM_ABI_VERSION 2
 
 enum WllmStatus {
   WLLM_OK = 0,
@@ -152,6 +152,11 @@ WLLM_API int WLLM_FN(wllm_paged_decode_attention)(
 WLLM_API int WLLM_FN(wllm_act_and_mul)(void* out, const void* x, int64_t rows, int64_t inter, int64_t out_row_stride,
                                        int64_t x_row_stride, int activation, int dtype, void* stream);
 
+// Bytes of workspace wllm_sample may use (a constant of this library). The caller zeroes it once; every
+// call leaves it zeroed again. One workspace serves calls that run one after another (one stream, or
+// the replays of CUDA graphs captured on it), not calls that run at the same time.
+WLLM_API int WLLM_FN(wllm_sample_workspace_size)(int64_t* bytes);
+
 // Samples one token per row of fp32 logits [num_rows, vocab] (row_stride apart). Per row r:
 // params_f32[r] = (temperature, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty),
 // params_i64[r] = (top_k, seed, position). logit_bias is CSR: entries bias_offsets[r] ..
@@ -167,13 +172,16 @@ WLLM_API int WLLM_FN(wllm_act_and_mul)(void* out, const void* x, int64_t rows, i
 // the last kept value kept); and exp(x - max) >= min_p; then pick argmax(x - log E_i), E_i ~ Exp(1)
 // from Philox4x32-10 with key = seed and counter = (i / 4, position). Writes out_tokens (int64) and
 // out_logprobs (the raw log-softmax of the chosen token); raw_logprobs (optional, [num_rows, vocab],
-// raw_logprobs_stride apart) receives the whole raw log-softmax.
+// raw_logprobs_stride apart) receives the whole raw log-softmax. workspace (optional, 128-byte
+// aligned, wllm_sample_workspace_size bytes, see there) lets several thread blocks share a row when
+// there are few rows; without it each row gets one block. Results do not depend on it.
 WLLM_API int WLLM_FN(wllm_sample)(float* logits, int64_t num_rows, int64_t vocab, int64_t row_stride,
                                   const float* params_f32, const int64_t* params_i64, const int32_t* bias_offsets,
                                   const int32_t* bias_tokens, const float* bias_values, const int32_t* penalty_offsets,
                                   const int32_t* penalty_tokens, const int32_t* penalty_counts, float* saved,
                                   int64_t* out_tokens, float* out_logprobs, float* raw_logprobs,
-                                  int64_t raw_logprobs_stride, void* stream);
+                                  int64_t raw_logprobs_stride, void* workspace, int64_t workspace_bytes,
+                                  void* stream);
 
 // Skinny GEMM for decode (gemv.cu): out[r, n] = sum_k in[r, k] * weight[n, k] (+ bias[n]) for r < rows, with
 // fp32 accumulation, rounded once to the dtype (fp16 or bf16 only). weight is [out_features, in_features]

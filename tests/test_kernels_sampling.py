@@ -253,3 +253,147 @@ def test_sample_inside_cuda_graph() -> None:
         torch.cuda.synchronize()
         assert torch.equal(tok, want_tok), f"replay {trial}"
         torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------
+# Edge cases: reference against naive expectations (CPU), kernel against reference (-m cuda)
+# ------------------------------------------------------------------------------------------
+
+
+def edge_case(kind: str, vocab: int, rows: int, device: str = "cpu") -> tuple[torch.Tensor, list[SamplingRow]]:
+    """Logits and rows of one edge case, `rows` rows of `vocab` logits (seeded, reproducible)."""
+    g = torch.Generator().manual_seed(vocab * 131 + rows)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    params: dict = {"temperature": 0.9}
+    if kind == "ties":  # few distinct values, many tokens each: thresholds fall inside runs of ties
+        logits = torch.randint(-3, 3, (rows, vocab), generator=g).float()
+        params = {"temperature": 1.0, "top_k": max(1, vocab // 3), "top_p": 0.6}
+    elif kind == "neg_inf":  # most tokens banned, some rows entirely
+        logits = logits.masked_fill(torch.rand(rows, vocab, generator=g) < 0.9, float("-inf"))
+        logits[::3] = float("-inf")
+        params = {"temperature": 1.0, "top_p": 0.9}
+    elif kind == "top_k_1":
+        params = {"temperature": 1.5, "top_k": 1}
+    elif kind == "top_p_tiny":
+        params = {"temperature": 1.0, "top_p": 1e-6}
+    elif kind == "min_p":
+        params = {"temperature": 0.7, "min_p": 0.2}
+    elif kind == "greedy":
+        params = {"temperature": 0.0}
+    rs = [row(seed=1000 + i, output=[0] * (i % 5), **params) for i in range(rows)]
+    return logits.to(device), rs
+
+
+EDGE_KINDS = ["ties", "neg_inf", "top_k_1", "top_p_tiny", "min_p", "greedy", "plain"]
+
+
+@pytest.mark.parametrize("kind", EDGE_KINDS)
+def test_reference_edge_cases_match_naive_expectations(kind: str) -> None:
+    logits, rows = edge_case(kind, 33, 9)
+    tokens, _, _ = run_reference(logits, rows)
+    for i, r in enumerate(rows):
+        x = logits[i]
+        if kind in ("top_k_1", "top_p_tiny", "greedy"):
+            # One survivor: the (first) maximum; top_p keeps every logit tied with it.
+            if kind == "top_p_tiny":
+                assert x[tokens[i]] == x.max(), f"row {i}"
+            else:
+                assert tokens[i].item() == int(torch.argmax(x)), f"row {i}"
+        elif kind == "neg_inf":
+            if torch.isinf(x).all():
+                assert tokens[i].item() == 0, f"row {i}: an all -inf row gives token 0 like argmax"
+            else:
+                assert x[tokens[i]] > float("-inf"), f"row {i}: a banned token was drawn"
+        elif kind == "min_p":
+            xt = x / 0.7
+            assert torch.exp(xt[tokens[i]] - xt.max()) >= 0.2, f"row {i}"
+        elif kind == "ties":
+            keep = reference.sampling_mask(x, r.params.top_k, r.params.top_p, 0.0)
+            assert keep[tokens[i]], f"row {i}"
+            # Ties are kept or dropped together.
+            assert torch.equal(keep, x >= x[keep].min()), f"row {i}"
+
+
+def _cuda_vs_reference(logits: torch.Tensor, rows: list[SamplingRow], what: str) -> torch.Tensor:
+    before = logits.clone()
+    want_tok, want_lp, _ = run_reference(logits, rows)
+    tok, lp, _ = kernels.sample(logits, **kernels.pack_sampling_rows(rows, "cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(tok.cpu(), want_tok.cpu()), f"{what}: rows {(tok != want_tok).nonzero().flatten().tolist()}"
+    finite = torch.isfinite(want_lp)
+    torch.testing.assert_close(lp[finite], want_lp[finite], rtol=1e-5, atol=1e-4)
+    assert torch.equal(logits, before), f"{what}: logits must be restored"
+    return tok
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [1, 33, 1000, 151936])
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_sample_cuda_odd_sizes_and_edge_cases(vocab: int, rows: int) -> None:
+    """Every edge case at odd vocabularies and row counts: 1 row (many blocks per row), 3 and 70 rows."""
+    for kind in EDGE_KINDS:
+        logits, rs = edge_case(kind, vocab, rows, "cuda")
+        _cuda_vs_reference(logits, rs, f"{kind} vocab={vocab} rows={rows}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("vocab", [1000, 151936])
+def test_sample_cuda_mixed_rows_with_unaligned_rows(vocab: int) -> None:
+    """Bias, bans and penalties on rows that start off 16-byte alignment (a strided view), 1 to 13 rows."""
+    torch.manual_seed(9)
+    for n in (1, 2, 13):
+        rows = (mixed_rows(vocab) * 2)[:n]
+        base = torch.randn(n, vocab + 3, device="cuda") * 4
+        logits = base[:, 1:vocab + 1]
+        _cuda_vs_reference(logits, rows, f"unaligned n={n}")
+
+
+@pytest.mark.cuda
+def test_sample_cuda_same_token_for_any_batch_and_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded row draws the same token alone (many blocks on its row), in batches of 7, 70 and 200
+    (fewer blocks per row, then one) and without a workspace (one block per row)."""
+    torch.manual_seed(10)
+    vocab = 151936
+    target_logits = torch.randn(1, vocab, device="cuda") * 2
+    targets = [row(seed=77, output=[1, 2], temperature=t, top_k=k, top_p=p, min_p=mp)
+               for t, k, p, mp in [(1.0, 0, 1.0, 0.0), (0.8, 0, 0.95, 0.0), (0.8, 50, 0.95, 0.0), (1.2, 0, 0.9, 0.05)]]
+    for target in targets:
+        alone = _cuda_vs_reference(target_logits.clone(), [target], "alone")[0].item()
+        for batch in (7, 70, 200):
+            logits = torch.randn(batch, vocab, device="cuda") * 2
+            logits[batch // 2] = target_logits[0]
+            rows = [row(seed=s, temperature=0.9, top_p=0.9) for s in range(batch)]
+            rows[batch // 2] = target
+            tok, _, _ = kernels.sample(logits, **kernels.pack_sampling_rows(rows, "cuda"))
+            assert tok[batch // 2].item() == alone, f"batch {batch}: {target.params}"
+        monkeypatch.setattr(kernels.ops, "_sample_workspace", lambda device, lib: None)
+        one_block, _, _ = kernels.sample(target_logits.clone(), **kernels.pack_sampling_rows([target], "cuda"))
+        monkeypatch.undo()
+        assert one_block[0].item() == alone, f"one block per row: {target.params}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_sample_cuda_graph_replays_match_reference(batch: int) -> None:
+    """Batch-1 and small-batch rows (several blocks per row, workspace counters reset by the last block)
+    captured once and replayed with new logits and positions, as the decode graphs do."""
+    torch.manual_seed(11)
+    vocab = 151936 if batch == 1 else 32003
+    base = [row(seed=3, temperature=0.8, top_p=0.95), row(seed=4, temperature=0.0),
+            row(seed=5, temperature=0.8, top_k=50, top_p=0.95), row(seed=6, temperature=1.0, min_p=0.1)]
+    rows = (base * batch)[:batch]
+    packed = kernels.pack_sampling_rows(rows, "cuda")
+    logits = torch.randn(batch, vocab, device="cuda")
+
+    def step():
+        return kernels.sample(logits, **packed)
+
+    graph, (tok, lp, _) = capture_graph(step)
+    for trial in range(5):
+        logits.copy_(torch.randn_like(logits) * 3)
+        packed["params_i64"][:, 2] += 1
+        want_tok, want_lp, _ = reference.sample(logits, **packed)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(tok, want_tok), f"replay {trial}"
+        torch.testing.assert_close(lp, want_lp, rtol=1e-5, atol=1e-4)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 LIB_NAME = "wllm_kernels.dll" if sys.platform == "win32" else "libwllm_kernels.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 WLLM_OK = 0
 WLLM_ERR_NO_KERNEL_IMAGE = 3
@@ -58,8 +58,9 @@ SIGNATURES: dict[str, list] = {
     # Skinny GEMM for decode (gemv.cu).
     "wllm_gemv": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,
                   c_int, c_int, c_void_p],
+    "wllm_sample_workspace_size": [ctypes.POINTER(c_int64)],
     "wllm_sample": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
-                    c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p],
+                    c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p],
 }
 
 

@@ -8,6 +8,7 @@ decode loop is host-bound on small models.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from collections.abc import Sequence
 
@@ -504,11 +505,31 @@ def _cuda_sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: tor
         return t.data_ptr() if t is not None else None
 
     lib = _lib.binding(logits.device.index or 0)
+    workspace = _sample_workspace(logits.device, lib)
     lib.check(lib.wllm_sample(
         logits.data_ptr(), num_rows, vocab, logits.stride(0), params_f32.contiguous().data_ptr(),
         params_i64.contiguous().data_ptr(), *(ptr(t) for t in csr[0]), *(ptr(t) for t in csr[1]), saved.data_ptr(),
-        tokens_out.data_ptr(), logprobs_out.data_ptr(), ptr(raw), vocab, _stream(logits)), what)
+        tokens_out.data_ptr(), logprobs_out.data_ptr(), ptr(raw), vocab, ptr(workspace),
+        workspace.numel() if workspace is not None else 0, _stream(logits)), what)
     return tokens_out, logprobs_out, raw
+
+
+_SAMPLE_WORKSPACES: dict[int, torch.Tensor] = {}
+
+
+def _sample_workspace(device: torch.device, lib: _lib.Binding) -> torch.Tensor | None:
+    """The sampler's zeroed workspace for `device` (uint8, a few MB), made on first use and kept for the
+    process: the kernel leaves it zeroed, so one allocation serves every later call and graph replay.
+    None while a CUDA graph is being captured without one: an allocation then would belong to the
+    graph's private pool; the kernel runs one block per row instead (same results, slower)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    workspace = _SAMPLE_WORKSPACES.get(index)
+    if workspace is None and not torch.cuda.is_current_stream_capturing():
+        size = ctypes.c_int64(0)
+        lib.check(lib.wllm_sample_workspace_size(ctypes.byref(size)), "sample_workspace_size")
+        workspace = torch.zeros(size.value, dtype=torch.uint8, device=device)
+        _SAMPLE_WORKSPACES[index] = workspace
+    return workspace
 
 
 @torch.library.custom_op("wllm::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
