@@ -45,8 +45,11 @@ def make(request, tmp_path_factory):
     def build(async_on, *, budget=2048, blocks=256, cpu_blocks=0, seqs=16, eos=(), tokenizer=None,
               caching=True):
         config = EngineConfig(
-            cache=CacheConfig(block_size=8 if kind == "cuda" else 4, num_gpu_blocks=blocks,
-                              num_cpu_blocks=cpu_blocks, enable_prefix_caching=caching),
+            # Blocks of 8 tokens on the GPU (a size the kernels serve), 4 elsewhere: half as many.
+            cache=CacheConfig(block_size=8 if kind == "cuda" else 4,
+                              num_gpu_blocks=blocks // 2 if kind == "cuda" else blocks,
+                              num_cpu_blocks=cpu_blocks // 2 if kind == "cuda" else cpu_blocks,
+                              enable_prefix_caching=caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs),
             async_scheduling=async_on)
         engine = LLMEngine(model, tokenizer, config, eos_token_ids=list(eos))
@@ -249,6 +252,39 @@ def test_penalties_and_logprobs_never_run_ahead(make):
         engine = make(True, seqs=4)
         assert_same(engine.generate(prompts, params), make(False).generate(prompts, params))
         assert engine.num_lookahead_steps == 0
+
+
+def test_a_failing_step_ahead_fails_its_requests_as_in_step(make, tmp_path_factory, caplog):
+    if make.kind == "cuda":
+        pytest.skip("graph replays do not call the Python forward this test poisons")
+    model, _ = tiny("llama", tmp_path_factory)
+    prompt = make_prompts()[7]
+    ref = make(False).generate([prompt], greedy(10))[0].outputs[0].token_ids
+    poison = next(t for i, t in enumerate(ref[2:], 2) if t not in ref[:i] and t not in prompt)
+    real_forward = model.forward
+
+    def forward(input_ids, positions, ctx):
+        if (input_ids == poison).any():
+            raise RuntimeError("poisoned batch")
+        return real_forward(input_ids, positions, ctx)
+
+    model.forward = forward
+    try:
+        outs = []
+        for async_on in (False, True):
+            engine = make(async_on)
+            outs.append(engine.generate([prompt], greedy(10))[0])
+            assert engine.stats()["num_failed_steps"] == 1
+            assert_all_free(engine)
+        assert outs[1].error == outs[0].error == "RuntimeError: poisoned batch"
+        assert seen(outs[1]) == seen(outs[0])
+        assert outs[1].outputs[0].token_ids == ref[:ref.index(poison) + 1]
+        assert "launching a step ahead failed" in caplog.text  # ... and it failed again in turn
+    finally:
+        del model.forward
+    # The engine serves on.
+    assert_same(engine.generate([prompt], greedy(4)), make(False).generate([prompt], greedy(4)))
+    assert_all_free(engine)
 
 
 def test_async_scheduling_is_an_engine_argument_and_a_cli_flag():

@@ -332,7 +332,7 @@ class CudaStepRunner:
             self.num_lookahead_steps += 1
         if on_cuda:
             pending.done = self._events[parity][1]
-            pending.done.record()
+            pending.done.record(torch.cuda.current_stream(self.device))
         return pending
 
     def _upload(self, layout: StageLayout, out: SchedulerOutput, prev: PendingStep | None,
@@ -349,7 +349,7 @@ class CudaStepRunner:
         layout.upload()
         if self.device.type == "cuda":
             pending.inputs_done = self._events[parity][0]
-            pending.inputs_done.record()
+            pending.inputs_done.record(torch.cuda.current_stream(self.device))
         if rows is not None:
             assert prev is not None and prev.device_tokens is not None
             dst = layout.dev["input_ids"][:n]
@@ -357,6 +357,16 @@ class CudaStepRunner:
                 dst.copy_(prev.device_tokens[:n])
             else:
                 dst.copy_(prev.device_tokens.index_select(0, layout.dev["prev_rows"][:n]))
+
+    def release(self, pending: PendingStep) -> None:
+        """Give up a launched step whose results nobody needs. Wait only until the host may rewrite
+        the pinned buffers it was uploaded from; its device work runs on, ahead of whatever is
+        launched later on the same stream, and its result buffer is not the next step's."""
+        # A lookahead step (pure decode) uploads nothing after `inputs_done`; an eager step with
+        # prompt rows does, so for any other step wait for all of it.
+        event = pending.inputs_done if pending.out.prev_rows is not None else pending.done
+        if event is not None:
+            event.synchronize()
 
     def collect(self, pending: PendingStep) -> dict[str, SeqResult]:
         """Wait for a launched step's results to reach the host and return them per sequence."""

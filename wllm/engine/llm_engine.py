@@ -213,17 +213,16 @@ class LLMEngine:
             if handle is None:
                 handle = self.runner.launch(sched_out)
             if self.config.async_scheduling and self.runner.supports_lookahead:
-                next_out = self.scheduler.schedule_lookahead(sched_out)
-                if next_out is not None:
-                    ahead = (next_out, self.runner.launch(next_out, handle))
-                    self.num_steps += 1
-                    self.num_lookahead_steps += 1
+                ahead = self._launch_ahead(sched_out, handle)
             results = self.runner.collect(handle)
         except Exception as e:  # fail the requests of this step, keep serving the others
             logger.exception("engine step failed")
-            if ahead is not None:  # its sequences are this step's: they all fail below
-                with contextlib.suppress(Exception):
-                    self.runner.release(ahead[1])
+            # Nothing launched may still be reading host buffers when the next step writes them.
+            # The lookahead's sequences are this step's: they all fail below.
+            for launched in (handle, ahead[1] if ahead is not None else None):
+                if launched is not None:
+                    with contextlib.suppress(Exception):
+                        self.runner.release(launched)
             self.num_failed_steps += 1
             message = f"{type(e).__name__}: {e}"
             for group in self.scheduler.fail_step(sched_out, message):
@@ -243,6 +242,26 @@ class LLMEngine:
             if out.finished:
                 self.scheduler.pop_finished_group(group.request_id)
         return outputs
+
+    def _launch_ahead(self, sched_out: SchedulerOutput, handle: StepHandle,
+                      ) -> tuple[SchedulerOutput, StepHandle] | None:
+        """Plan and launch the step after `sched_out` (launched, not yet processed), if it can be
+        planned now; see the module docstring."""
+        next_out = self.scheduler.schedule_lookahead(sched_out)
+        if next_out is None:
+            return None
+        try:
+            ahead = self.runner.launch(next_out, handle)
+        except Exception:
+            # The step runs again from `schedule()` after this one: if it fails there too, it fails
+            # its requests the usual way, with this step's tokens already delivered. Whatever part
+            # of it was queued must finish before the host rewrites the buffers it reads.
+            logger.warning("launching a step ahead failed; it will run in turn", exc_info=True)
+            self.runner.synchronize()
+            return None
+        self.num_steps += 1
+        self.num_lookahead_steps += 1
+        return next_out, ahead
 
     def _has_live_seqs(self, out: SchedulerOutput) -> bool:
         """Whether any sequence of a launched step still runs (and is the one it was launched for)."""

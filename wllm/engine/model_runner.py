@@ -209,8 +209,13 @@ class ModelRunner:
         """Give up a launched step whose results nobody needs: wait only until its inputs were
         uploaded (the host may then rewrite the staging buffers); its device work runs on, ahead
         of anything launched later on the same stream."""
-        if handle.pending is not None and handle.pending.inputs_done is not None:
-            handle.pending.inputs_done.synchronize()
+        if handle.pending is not None and self.cuda_runner is not None:
+            self.cuda_runner.release(handle.pending)
+
+    def synchronize(self) -> None:
+        """Wait for all device work launched so far."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _execute_torch(self, out: SchedulerOutput) -> dict[str, SeqResult]:
         """The PyTorch path: block copies, forward pass and sampling, all before it returns."""

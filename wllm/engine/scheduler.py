@@ -446,8 +446,8 @@ class Scheduler:
         failed: dict[str, RequestGroup] = {}
         for sched in out.seqs:
             seq = self.seqs.get(sched.seq_id)
-            if seq is None:
-                continue
+            if seq is None or (sched.sampling is not None and seq.sampling_row is not sched.sampling):
+                continue  # gone, or its id already reused by a new request
             failed[seq.group.request_id] = seq.group
         for group in failed.values():
             group.error = message
