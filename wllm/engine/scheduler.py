@@ -323,8 +323,8 @@ class Scheduler:
             need += max(0, cdiv(seq.num_computed_tokens + 2, bs) - len(seq.blocks))
         if not keep:
             return None
-        if len(self.waiting) and len(self.running) - (len(self.running) - len(keep)) < self.config.max_num_seqs:
-            return None  # schedule() could admit a waiting request next step
+        if len(self.waiting) and len(keep) < self.config.max_num_seqs:
+            return None  # schedule() could admit a waiting request next step: let it
         if need > self.kv.num_free_blocks:
             return None  # schedule() would preempt
         seqs: list[ScheduledSeq] = []
