@@ -206,9 +206,9 @@ class ModelRunner:
         return handle.results
 
     def release(self, handle: StepHandle) -> None:
-        """Give up a launched step whose results nobody needs: wait only until its inputs were
-        uploaded (the host may then rewrite the staging buffers); its device work runs on, ahead
-        of anything launched later on the same stream."""
+        """Give up a launched step whose results nobody needs: wait only until the host may rewrite
+        the buffers it reads (for a lookahead step, until its inputs were uploaded); its device work
+        runs on, ahead of anything launched later on the same stream."""
         if handle.pending is not None and self.cuda_runner is not None:
             self.cuda_runner.release(handle.pending)
 
