@@ -8,9 +8,14 @@ device->host sync, output processing, detokenization and stop checks. The step r
 CUDA graph replay costs the host next to nothing, so the forward launch phase is near zero.
 
     python benchmarks/host_overhead.py [--batch 1 64] [--steps 200] [--repeat 3] [--eager] [--profile N]
+                                       [--no-async-scheduling]
 
 Prints microseconds per decode step per phase (prefill steps are excluded) and, with --profile,
-the top N functions of a cProfile run of the same decode steps.
+the top N functions of a cProfile run of the same decode steps. With async scheduling (the
+default) the engine plans and launches step N+1 before it waits for step N ("schedule" includes
+that planning); on the CPU every phase still runs in turn, but on a GPU everything except the wait
+overlaps the device's work on the previous step, so the total here is the host's work per step, and
+the GPU stays busy as long as it is below the GPU's time per step.
 """
 
 from __future__ import annotations
@@ -61,12 +66,13 @@ class FrozenGraphs(DecodeGraphs):
         return self._graphs[size][1]
 
 
-def build_engine(batch: int, graphs: bool) -> LLMEngine:
+def build_engine(batch: int, graphs: bool, async_scheduling: bool = True) -> LLMEngine:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(TINY_LLAMA), encoding="utf-8")
         model = load_model(tmp, dtype="float32", device="cpu", load_format="dummy").model
     config = EngineConfig(cache=CacheConfig(block_size=16, num_gpu_blocks=4096, num_cpu_blocks=0),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max(batch, 8)))
+                          scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max(batch, 8)),
+                          async_scheduling=async_scheduling)
     engine = LLMEngine(model, synthetic_tokenizer(TINY_LLAMA["vocab_size"]), config)
     runner = CudaStepRunner(model, engine.runner.kv_cache, max_num_batched_tokens=2048,
                             max_num_seqs=max(batch, 8), max_model_len=engine.max_model_len, enforce_eager=True)
@@ -100,18 +106,20 @@ class PhaseTimer:
         setattr(obj, attr, timed)
 
 
-def run(batch: int, steps: int, graphs: bool, profile: int) -> dict[str, float]:
+def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bool = True) -> dict[str, float]:
     torch.manual_seed(0)
-    engine = build_engine(batch, graphs)
+    engine = build_engine(batch, graphs, async_scheduling)
     cuda = engine.runner.cuda_runner
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.scheduler, "schedule_lookahead", "schedule")
     timer.wrap(cuda.inputs, "fill", "prepare inputs")
     timer.wrap(cuda.sampling, "pack", "prepare inputs")
     timer.wrap(cuda.graphs, "replay", "forward launch")
     timer.wrap(cuda, "_eager", "forward launch")
     timer.wrap(cuda, "_results", "process outputs (runner)")
-    timer.wrap(engine.runner, "execute", "_execute")
+    timer.wrap(engine.runner, "launch", "_execute")
+    timer.wrap(engine.runner, "collect", "_execute")
     timer.wrap(engine.scheduler, "update_from_output", "process outputs")
     timer.wrap(engine, "_process_text", "detokenize/stop")
     timer.wrap(engine, "_make_output", "detokenize/stop")
@@ -130,12 +138,13 @@ def run(batch: int, steps: int, graphs: bool, profile: int) -> dict[str, float]:
     execute_ns = ns.pop("_execute")
     step_ns = ns.pop("_step")
     inside = ("prepare inputs", "forward launch", "process outputs (runner)")
-    # The rest of `execute`: sampling rows and step lists, the D2H copies and the sync.
+    # The rest of launch + collect: sampling rows and step lists, the D2H copies and the sync.
     ns["sync + rest of execute"] = execute_ns - sum(ns.get(k, 0) for k in inside)
     ns["engine loop rest"] = step_ns - sum(ns.values())
     us = {k: v / decode_steps / 1000 for k, v in ns.items()}
     us["TOTAL step"] = step_ns / decode_steps / 1000
     assert engine.runner.cuda_runner.num_graph_steps >= (decode_steps if graphs else 0)
+    us["steps run ahead (%)"] = 100.0 * engine.num_lookahead_steps / engine.num_steps
     if profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -152,12 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--eager", action="store_true", help="no graph stand-in: every step runs the forward")
     ap.add_argument("--profile", type=int, default=0, help="print the top N cProfile functions")
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                    help="finish each step before launching the next (no lookahead)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per batch size; the run with the lowest total is shown (shared machines are noisy)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     for batch in args.batch:
-        runs = [run(batch, args.steps, not args.eager, args.profile) for _ in range(max(args.repeat, 1))]
+        runs = [run(batch, args.steps, not args.eager, args.profile, args.async_scheduling)
+                for _ in range(max(args.repeat, 1))]
         us = min(runs, key=lambda r: r["TOTAL step"])
         print(f"batch {batch}: host us per decode step ({args.steps} steps, best of {len(runs)})")
         for k, v in us.items():

@@ -138,21 +138,21 @@ def test_qwen_shape_bf16_runs_64_graph_steps():
     runner = engine.runner
     assert runner.cuda_runner is not None and runner.cuda_runner.graphs.sizes == [1, 2, 4, 8]
     sampled = []
-    execute = runner.execute
+    collect = runner.collect
 
-    def recording(out):
-        results = execute(out)
+    def recording(handle):
+        results = collect(handle)
         sampled.extend(t for r in results.values() for t in r.sampled)
         return results
 
-    runner.execute = recording
+    runner.collect = recording
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 151936, (n,), generator=gen).tolist() for n in (5, 17, 33, 64, 100, 7, 1, 128)]
     params = SamplingParams(temperature=0.0, max_tokens=65, ignore_eos=True)
     outs = engine.generate(prompts, params)
     assert all(len(o.outputs[0].token_ids) == 65 for o in outs)
-    assert runner.cuda_runner.num_graph_steps >= 64
-    assert all(0 <= t.token_id < 151936 and math.isfinite(t.logprob) for t in sampled)
+    assert runner.cuda_runner.num_graph_steps >= 64 and runner.cuda_runner.num_lookahead_steps >= 56
+    assert len(sampled) >= 8 * 65 and all(0 <= t.token_id < 151936 and math.isfinite(t.logprob) for t in sampled)
     assert_all_free(engine)
     del engine
     torch.cuda.empty_cache()

@@ -14,7 +14,8 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--swap-space", "--max-num-batched-tokens", "--max-num-seqs", "--max-queue", "--enable-prefix-caching",
          "--no-enable-prefix-caching", "--served-model-name", "--chat-template", "--api-key", "--api-key-file",
          "--rate-limit-rpm", "--rate-limit-tpm", "--cors-origin", "--log-format", "--otlp-endpoint",
-         "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager"]
+         "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
+         "--no-async-scheduling"]
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]

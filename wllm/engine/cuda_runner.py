@@ -96,7 +96,8 @@ class StepInputs:
         return (("input_ids", torch.int64, (tokens,)), ("positions", torch.int64, (tokens,)),
                 ("slots", torch.int64, (tokens,)), ("seq_lens", torch.int32, (seqs,)),
                 ("query_start", torch.int32, (seqs + 1,)), ("params_f32", torch.float32, (rows, 6)),
-                ("params_i64", torch.int64, (rows, 3)), ("block_tables", torch.int32, (seqs, self.max_blocks)))
+                ("params_i64", torch.int64, (rows, 3)), ("block_tables", torch.int32, (seqs, self.max_blocks)),
+                ("prev_rows", torch.int64, (seqs,)))
 
     def layout(self, tokens: int, seqs: int, rows: int) -> StageLayout:
         """The layout of a step of `tokens` tokens, `seqs` sequences and `rows` staged sampling rows."""
@@ -147,6 +148,28 @@ class StepInputs:
         return longest
 
 
+class PendingStep:
+    """A launched step whose results are not on the host yet (see `CudaStepRunner.launch`)."""
+
+    __slots__ = ("out", "rows", "owners", "want_logprobs", "host_packed", "host_tokens", "host_logprobs",
+                 "host_prompt", "host_sample", "device_tokens", "inputs_done", "done")
+
+    def __init__(self, out: SchedulerOutput, rows: list[SamplingRow], owners: list[str],
+                 want_logprobs: list[int]) -> None:
+        self.out = out
+        self.rows = rows
+        self.owners = owners
+        self.want_logprobs = want_logprobs
+        self.host_packed: torch.Tensor | None = None  # graph step: fp64 [2, padded] ids and logprobs
+        self.host_tokens: torch.Tensor | None = None  # eager step: ids, logprobs, logprob matrices
+        self.host_logprobs: torch.Tensor | None = None
+        self.host_prompt: torch.Tensor | None = None
+        self.host_sample: torch.Tensor | None = None
+        self.device_tokens: torch.Tensor | None = None  # sampled ids on the device, one per row
+        self.inputs_done: torch.cuda.Event | None = None  # CUDA: the step's uploads have run
+        self.done: torch.cuda.Event | None = None  # CUDA: its results are on the host
+
+
 class CudaStepRunner:
     """Executes steps on CUDA with the kernel library; owns the graphs and the staged buffers."""
 
@@ -172,16 +195,20 @@ class CudaStepRunner:
         self.inputs = StepInputs(capacity, max_blocks, 2 * capacity, self.device)
         self.sampling = SamplingBuffers(2 * capacity, config.vocab_size, self.device)
         pin = on_cuda
-        self.host_tokens = torch.zeros(2 * capacity, dtype=torch.int64, pin_memory=pin)
-        self.host_logprobs = torch.zeros(2 * capacity, dtype=torch.float32, pin_memory=pin)
+        # Two of each result buffer (and of each event), alternating between consecutive steps.
+        self.host_tokens = [torch.zeros(2 * capacity, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.host_logprobs = [torch.zeros(2 * capacity, dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self._events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(2)] if on_cuda else []
+        self._parity = 0
         index = self.device.index or 0
         need = max([decode_workspace_size(b, self.num_heads, self.num_kv_heads, self.head_dim, self.max_seq_len,
                                           device=index) for b in sizes] + [0])
         # Zero-filled once: decode attention keeps its split-merge tickets there and leaves them zero.
         self.workspace = torch.zeros((need + 3) // 4, dtype=torch.float32, device=self.device) if need else None
-        self._host_graph_out: dict[int, torch.Tensor] = {}  # pinned fp64 [2, B] per graph size
+        self._host_graph_out: dict[tuple[int, int], torch.Tensor] = {}  # pinned fp64 [2, B] per (size, parity)
         self.num_graph_steps = 0
         self.num_eager_steps = 0
+        self.num_lookahead_steps = 0  # steps launched before the previous step's tokens reached the host
         if sizes:
             with torch.inference_mode():
                 self.graphs.capture(self._prepare_padding, self._graph_forward)
@@ -207,6 +234,26 @@ class CudaStepRunner:
     # --------------------------------------------------------------------------------------- step
     def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
         """Run one step's forward and sampling; returns each sequence's sampled tokens and prompt logprobs."""
+        return self.collect(self.launch(out))
+
+    def launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
+        """Enqueue one step (uploads, forward, sampling, the copy of its results to the host) and
+        return without waiting for the device; `collect` waits and returns the results.
+
+        A lookahead step (`out.prev_rows` set) is launched while `prev`, the step before it, may
+        still run: its input tokens are prev's sampled tokens, copied on the device before the
+        forward, and its sampling rows count prev's token as an output already.
+        """
+        ahead = 0
+        if out.prev_rows is not None:
+            if prev is None:
+                raise ValueError("a lookahead step needs the step before it")
+            ahead = 1
+            if prev.inputs_done is not None:
+                # The host is about to rewrite the pinned staging buffers prev was uploaded from.
+                # prev's uploads are the first work queued after the step before it, which the host
+                # has already waited for, so this returns at once in steady state.
+                prev.inputs_done.synchronize()
         seqs = out.seqs
         num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
         if 0 < num_decode < len(seqs):
@@ -241,55 +288,109 @@ class CudaStepRunner:
             t += n
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_seqs = len(seqs)
+        on_cuda = self.device.type == "cuda"
+        # Host buffers the results are copied into alternate between consecutive steps: the host
+        # reads step N's while step N+1's copy may already be queued.
+        parity = self._parity
+        self._parity ^= 1
+        pending = PendingStep(out, rows, owners, want_logprobs)
 
         padded = self.graphs.padded_size(num_seqs) if graphable and not want_logprobs else None
         if padded is not None:
             layout = self.inputs.layout(padded, padded, padded)
-            sampling, static = self.sampling.pack(rows, padded, full_csr=True, stage=_stage(layout))
+            sampling, static = self.sampling.pack(rows, padded, full_csr=True, stage=_stage(layout), ahead=ahead)
             if not static:
                 padded = None
         if padded is not None:
             self.inputs.fill(layout, out, self.block_size, padded, padded)
-            layout.upload()
+            self._upload(layout, out, prev, pending, parity)
             packed = self.graphs.replay(padded)
             self.num_graph_steps += 1
-            # The step's one device-to-host copy and sync: ids and logprobs in one fp64 matrix.
-            host = self._host_graph_out.get(padded)
+            # The step's one device-to-host copy: ids and logprobs in one fp64 matrix.
+            host = self._host_graph_out.get((padded, parity))
             if host is None:
-                host = self._host_graph_out[padded] = torch.empty((2, padded), dtype=torch.float64,
-                                                                  pin_memory=self.device.type == "cuda")
+                host = self._host_graph_out[(padded, parity)] = torch.empty((2, padded), dtype=torch.float64,
+                                                                            pin_memory=on_cuda)
             host.copy_(packed, non_blocking=True)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            ids, lps = host.tolist()
-            return self._results(out, rows, owners, [int(x) for x in ids[:num_seqs]], lps[:num_seqs], [],
-                                 None, None)
+            pending.host_packed = host
+            pending.device_tokens = packed[0]
         else:
             num_rows = len(rows)
-            layout = self.inputs.layout(t, num_seqs, num_rows if num_rows <= self.inputs.max_rows else 0)
-            sampling, _ = self.sampling.pack(rows, stage=_stage(layout) if num_rows <= self.inputs.max_rows else None)
+            staged = num_rows <= self.inputs.max_rows
+            layout = self.inputs.layout(t, num_seqs, num_rows if staged else 0)
+            sampling, _ = self.sampling.pack(rows, stage=_stage(layout) if staged else None, ahead=ahead)
             longest = self.inputs.fill(layout, out, self.block_size, num_seqs, t)
-            layout.upload()
+            self._upload(layout, out, prev, pending, parity)
             tokens, logprobs, prompt_mat, sample_mat = self._eager(layout, out, t, one_token, longest, sampling,
                                                                    rows, prompt_rows, sample_hidden_rows,
                                                                    want_logprobs, num_decode)
             self.num_eager_steps += 1
+            # Token ids, their logprobs and the logprob matrices come back in the step's one sync.
+            host_tokens, host_logprobs = self.host_tokens[parity], self.host_logprobs[parity]
+            if num_rows <= host_tokens.numel():
+                host_tokens, host_logprobs = host_tokens[:num_rows], host_logprobs[:num_rows]
+                host_tokens.copy_(tokens, non_blocking=True)
+                host_logprobs.copy_(logprobs, non_blocking=True)
+            else:
+                host_tokens = tokens.to("cpu", non_blocking=True)
+                host_logprobs = logprobs.to("cpu", non_blocking=True)
+            pending.host_tokens, pending.host_logprobs = host_tokens, host_logprobs
+            pending.host_prompt = prompt_mat.to("cpu", non_blocking=True) if prompt_mat is not None else None
+            pending.host_sample = sample_mat.to("cpu", non_blocking=True) if sample_mat is not None else None
+            pending.device_tokens = tokens
+        if ahead:
+            self.num_lookahead_steps += 1
+        if on_cuda:
+            pending.done = self._events[parity][1]
+            pending.done.record(torch.cuda.current_stream(self.device))
+        return pending
 
-        # The one device-to-host sync of the step: token ids, their logprobs, logprob matrices.
-        num_rows = len(rows)
-        if num_rows <= self.host_tokens.numel():
-            host_tokens, host_logprobs = self.host_tokens[:num_rows], self.host_logprobs[:num_rows]
-            host_tokens.copy_(tokens, non_blocking=True)
-            host_logprobs.copy_(logprobs, non_blocking=True)
-        else:
-            host_tokens = tokens.to("cpu", non_blocking=True)
-            host_logprobs = logprobs.to("cpu", non_blocking=True)
-        host_prompt = prompt_mat.to("cpu", non_blocking=True) if prompt_mat is not None else None
-        host_sample = sample_mat.to("cpu", non_blocking=True) if sample_mat is not None else None
+    def _upload(self, layout: StageLayout, out: SchedulerOutput, prev: PendingStep | None,
+                pending: PendingStep, parity: int) -> None:
+        """Send the staged inputs; for a lookahead step, then overwrite its input tokens with the
+        previous step's samples on the device (stream order: after prev's sampling, before this
+        step's forward). Records when the pinned buffers are free to be rewritten."""
+        rows = out.prev_rows
+        if rows is not None:
+            n = len(rows)
+            identity = rows == list(range(n))
+            if not identity:
+                layout.np["prev_rows"][:n] = rows
+        layout.upload()
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return self._results(out, rows, owners, host_tokens.tolist(), host_logprobs.tolist(), want_logprobs,
-                             host_sample, host_prompt)
+            pending.inputs_done = self._events[parity][0]
+            pending.inputs_done.record(torch.cuda.current_stream(self.device))
+        if rows is not None:
+            assert prev is not None and prev.device_tokens is not None
+            dst = layout.dev["input_ids"][:n]
+            if identity:
+                dst.copy_(prev.device_tokens[:n])
+            else:
+                dst.copy_(prev.device_tokens.index_select(0, layout.dev["prev_rows"][:n]))
+
+    def release(self, pending: PendingStep) -> None:
+        """Give up a launched step whose results nobody needs. Wait only until the host may rewrite
+        the pinned buffers it was uploaded from; its device work runs on, ahead of whatever is
+        launched later on the same stream, and its result buffer is not the next step's."""
+        # A lookahead step (pure decode) uploads nothing after `inputs_done`; an eager step with
+        # prompt rows does, so for any other step wait for all of it.
+        event = pending.inputs_done if pending.out.prev_rows is not None else pending.done
+        if event is not None:
+            event.synchronize()
+
+    def collect(self, pending: PendingStep) -> dict[str, SeqResult]:
+        """Wait for a launched step's results to reach the host and return them per sequence."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        if pending.host_packed is not None:
+            n = len(pending.out.seqs)
+            ids, lps = pending.host_packed.tolist()
+            return self._results(pending.out, pending.rows, pending.owners, [int(x) for x in ids[:n]], lps[:n],
+                                 [], None, None)
+        assert pending.host_tokens is not None and pending.host_logprobs is not None
+        return self._results(pending.out, pending.rows, pending.owners, pending.host_tokens.tolist(),
+                             pending.host_logprobs.tolist(), pending.want_logprobs, pending.host_sample,
+                             pending.host_prompt)
 
     def _eager(self, layout: StageLayout, out: SchedulerOutput, num_tokens: int, decode: bool, longest: int,
                sampling: dict[str, torch.Tensor | None], rows: list[SamplingRow], prompt_rows: list[int],

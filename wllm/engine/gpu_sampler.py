@@ -83,12 +83,17 @@ class SamplingBuffers:
         }
 
     def pack(self, rows: Seq[SamplingRow], padded: int | None = None, *, full_csr: bool = False,
-             stage: tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor] | None = None,
+             stage: tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor] | None = None, ahead: int = 0,
              ) -> tuple[dict[str, torch.Tensor | None], bool]:
         """Write `rows` (plus greedy padding rows up to `padded`) and copy them to the device.
 
         With `stage` (host f32 [>=padded, 6], host i64 [>=padded, 3], their device views) the per-row
         parameters go there instead, and the caller uploads them with the rest of its step inputs.
+
+        `ahead` output tokens are counted on top of each row's `output_token_ids`: a lookahead step
+        samples the position after a token the host has not seen yet (its random stream and
+        min_tokens depend on the count only; rows with penalties, which need the values, are never
+        packed ahead).
 
         Returns (kwargs for `wllm.kernels.sample`, static). With `full_csr` the CSR arguments are
         always the full-capacity buffers (graph replay); otherwise they are trimmed, or None when
@@ -106,7 +111,7 @@ class SamplingBuffers:
         i64: list[tuple[int, int, int]] = []
         for row in rows:
             p = row.params
-            n_out = len(row.output_token_ids)
+            n_out = len(row.output_token_ids) + ahead
             f32.append((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
                         p.presence_penalty))
             i64.append((max(p.top_k, 0), _cached_seed(row.seed, row.index), n_out))
@@ -131,6 +136,9 @@ class SamplingBuffers:
             pen_off.append(len(pen_tok))
         if padded > self.max_rows or len(bias_tok) > self.bias_tok.np.shape[0] or \
                 len(pen_tok) > self.pen_tok.np.shape[0]:
+            if ahead:  # the packer counts the outputs in the list: stand-ins for the unseen ones
+                rows = [SamplingRow(r.params, r.seed, r.index, r.prompt_token_ids,
+                                    r.output_token_ids + [0] * ahead, r.eos_token_ids) for r in rows]
             return pack_sampling_rows(rows, self.device), False
 
         f32_np, i64_np = (self.f32.np, self.i64.np) if stage is None else stage[:2]

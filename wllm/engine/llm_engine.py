@@ -2,10 +2,34 @@
 
 One step = schedule -> run the model -> append sampled tokens -> detokenize and check stop
 strings -> cumulative `RequestOutput`s for every request that changed.
+
+Async scheduling (one-step lookahead, `EngineConfig.async_scheduling`, kernel path only). In
+steady decode the host work of a step (wait for the tokens, append them, detokenize, check stops,
+build outputs, schedule, stage the inputs, launch the graph) is a large part of the GPU's step
+time; done in sequence, the GPU idles through all of it. So `step()` works one step ahead:
+
+    launch N (or find it in flight) -> plan and launch N+1 -> wait for N -> process N's tokens
+
+N+1 is planned before N's tokens are known (`Scheduler.schedule_lookahead`): only when N decoded
+every running sequence and the next step would decode the same sequences again (nothing to admit,
+swap or copy, blocks available without preempting, no logprobs, no penalties). Its positions,
+slots, block tables and context lengths are N's advanced by one; its sampling rows count N's token
+(the random stream is keyed by the output position, so seeded results are the same as in step);
+its input token ids are N's samples, copied on the device in stream order before N+1's forward.
+Sequences that N's token ends by length are left out of N+1. Those that N ends by value (EOS, a
+stop token or string) or that are aborted while N+1 runs simply have N+1's result ignored, and
+their blocks are freed at once. That is safe: there is one stream, so whatever a later step
+writes into a freed block lands after N+1 is done with it; and N+1 writes only the slot of the
+position after N's token, in a block the prefix cache does not hold (a block is hashed and shared
+only once the host has processed every slot of it), so it is private and nobody reads that slot.
+When the conditions fail, the step runs as before (launch, wait, process, schedule next call).
+The runner keeps two host result buffers, alternating between consecutive steps, and waits for a
+step's uploads before rewriting the pinned staging buffers for the step after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -18,9 +42,9 @@ import torch
 from torch import nn
 
 from wllm.engine.config import EngineConfig, default_batched_tokens, engine_config_from_kwargs
-from wllm.engine.model_runner import ModelRunner, model_device
-from wllm.engine.request import RequestGroup, Sequence
-from wllm.engine.scheduler import Scheduler
+from wllm.engine.model_runner import ModelRunner, StepHandle, model_device
+from wllm.engine.request import RequestGroup, Sequence, SequenceStatus
+from wllm.engine.scheduler import Scheduler, SchedulerOutput
 from wllm.engine.stop_checker import TextState
 from wllm.outputs import CompletionOutput, RequestOutput
 from wllm.sampling_params import SamplingParams
@@ -72,6 +96,9 @@ class LLMEngine:
         self.num_steps = 0
         self.model_source: str | None = None
         self.num_failed_steps = 0
+        self.num_lookahead_steps = 0
+        # The lookahead step launched by the last `step()`, processed by the next one.
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
 
     @classmethod
     def from_pretrained(
@@ -162,22 +189,47 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns outputs of every request that changed."""
+        """Run one scheduling step; returns outputs of every request that changed.
+
+        With async scheduling the step this call processes may have been launched by the call
+        before (a lookahead step); this call may in turn launch the next one before it waits.
+        """
         outputs: list[RequestOutput] = []
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            return outputs
-        self.num_steps += 1
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None and not self._has_live_seqs(inflight[0]):
+            # Every sequence of it ended (EOS, stop, abort) since it was launched: drop it unseen.
+            self.runner.release(inflight[1])
+            inflight = None
+        handle: StepHandle | None = None
+        if inflight is None:
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                return outputs
+            self.num_steps += 1
+        else:
+            sched_out, handle = inflight
+        ahead: tuple[SchedulerOutput, StepHandle] | None = None
         try:
-            results = self.runner.execute(sched_out)
+            if handle is None:
+                handle = self.runner.launch(sched_out)
+            if self.config.async_scheduling and self.runner.supports_lookahead:
+                ahead = self._launch_ahead(sched_out, handle)
+            results = self.runner.collect(handle)
         except Exception as e:  # fail the requests of this step, keep serving the others
             logger.exception("engine step failed")
+            # Nothing launched may still be reading host buffers when the next step writes them.
+            # The lookahead's sequences are this step's: they all fail below.
+            for launched in (handle, ahead[1] if ahead is not None else None):
+                if launched is not None:
+                    with contextlib.suppress(Exception):
+                        self.runner.release(launched)
             self.num_failed_steps += 1
             message = f"{type(e).__name__}: {e}"
             for group in self.scheduler.fail_step(sched_out, message):
                 self.scheduler.pop_finished_group(group.request_id)
                 outputs.append(self._make_output(group))
             return outputs
+        self._inflight = ahead
         changed = self.scheduler.update_from_output(sched_out, results)
         if self.tokenizer is not None:
             for seq in changed:
@@ -190,6 +242,35 @@ class LLMEngine:
             if out.finished:
                 self.scheduler.pop_finished_group(group.request_id)
         return outputs
+
+    def _launch_ahead(self, sched_out: SchedulerOutput, handle: StepHandle,
+                      ) -> tuple[SchedulerOutput, StepHandle] | None:
+        """Plan and launch the step after `sched_out` (launched, not yet processed), if it can be
+        planned now; see the module docstring."""
+        next_out = self.scheduler.schedule_lookahead(sched_out)
+        if next_out is None:
+            return None
+        try:
+            ahead = self.runner.launch(next_out, handle)
+        except Exception:
+            # The step runs again from `schedule()` after this one: if it fails there too, it fails
+            # its requests the usual way, with this step's tokens already delivered. Whatever part
+            # of it was queued must finish before the host rewrites the buffers it reads.
+            logger.warning("launching a step ahead failed; it will run in turn", exc_info=True)
+            self.runner.synchronize()
+            return None
+        self.num_steps += 1
+        self.num_lookahead_steps += 1
+        return next_out, ahead
+
+    def _has_live_seqs(self, out: SchedulerOutput) -> bool:
+        """Whether any sequence of a launched step still runs (and is the one it was launched for)."""
+        seqs = self.scheduler.seqs
+        for sched in out.seqs:
+            seq = seqs.get(sched.seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING and seq.sampling_row is sched.sampling:
+                return True
+        return False
 
     def _process_text(self, seq: Sequence) -> None:
         if self.tokenizer is None:
@@ -243,6 +324,7 @@ class LLMEngine:
         s["num_preemptions"] = s["num_preemptions_swap"] + s["num_preemptions_recompute"]
         s["num_steps"] = self.num_steps
         s["num_failed_steps"] = self.num_failed_steps
+        s["num_lookahead_steps"] = self.num_lookahead_steps
         return s
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,

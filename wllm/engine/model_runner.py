@@ -13,6 +13,7 @@ CUDA graphs for decode steps (see cuda_runner.py). Elsewhere the PyTorch path be
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from wllm.engine.paged_attention import (
 from wllm.engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from wllm.engine.scheduler import SchedulerOutput, SeqResult
 
+if TYPE_CHECKING:
+    from wllm.engine.cuda_runner import PendingStep
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,6 +49,16 @@ def model_device(model: nn.Module) -> torch.device:
     for t in list(model.parameters()) + list(model.buffers()):
         return t.device
     return torch.device("cpu")
+
+
+class StepHandle:
+    """A launched step: the kernel path's pending device work, or results already computed."""
+
+    __slots__ = ("pending", "results")
+
+    def __init__(self, pending: PendingStep | None = None, results: dict[str, SeqResult] | None = None) -> None:
+        self.pending = pending
+        self.results = results
 
 
 class ModelRunner:
@@ -155,18 +169,56 @@ class ModelRunner:
         budget = total * cache_config.gpu_memory_utilization - peak - max(used_by_others, 0)
         return int(budget // self.block_bytes)
 
-    @torch.inference_mode()
+    @property
+    def supports_lookahead(self) -> bool:
+        """Whether `launch` accepts a lookahead step (`SchedulerOutput.prev_rows`): the kernel path only."""
+        return self.cuda_runner is not None
+
     def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
         """Run one step and return each scheduled sequence's sampled tokens and prompt logprobs."""
-        if self.cuda_runner is not None:
-            # One batched, stream-ordered copy per kind; the CPU pool is never read on the host, so
-            # the step's later sync is the only one these need.
-            for src, dst, pairs in ((self.kv_cache, self.kv_cache, out.blocks_to_copy),
-                                    (self.kv_cache, self.cpu_cache, out.blocks_to_swap_out),
-                                    (self.cpu_cache, self.kv_cache, out.blocks_to_swap_in)):
-                if pairs:
-                    kernels.copy_blocks(src, dst, torch.tensor(pairs, dtype=torch.int64), block_dim=2)
-            return self.cuda_runner.execute(out) if out.seqs else {}
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
+        """Start a step; `collect` returns its results. On the kernel path this only queues device
+        work, so the host can prepare and launch the next step meanwhile (`prev`: the step a
+        lookahead step takes its input tokens from). The PyTorch path runs the step right here."""
+        if self.cuda_runner is None:
+            if out.prev_rows is not None:
+                raise ValueError("lookahead steps need the CUDA kernel path")
+            return StepHandle(results=self._execute_torch(out))
+        # One batched, stream-ordered copy per kind; the CPU pool is never read on the host, so
+        # the step's later sync is the only one these need.
+        for src, dst, pairs in ((self.kv_cache, self.kv_cache, out.blocks_to_copy),
+                                (self.kv_cache, self.cpu_cache, out.blocks_to_swap_out),
+                                (self.cpu_cache, self.kv_cache, out.blocks_to_swap_in)):
+            if pairs:
+                kernels.copy_blocks(src, dst, torch.tensor(pairs, dtype=torch.int64), block_dim=2)
+        if not out.seqs:
+            return StepHandle(results={})
+        return StepHandle(pending=self.cuda_runner.launch(out, prev.pending if prev is not None else None))
+
+    def collect(self, handle: StepHandle) -> dict[str, SeqResult]:
+        """Wait for a launched step and return each scheduled sequence's sampled tokens and prompt logprobs."""
+        if handle.results is None:
+            assert self.cuda_runner is not None and handle.pending is not None
+            handle.results = self.cuda_runner.collect(handle.pending)
+        return handle.results
+
+    def release(self, handle: StepHandle) -> None:
+        """Give up a launched step whose results nobody needs: wait only until the host may rewrite
+        the buffers it reads (for a lookahead step, until its inputs were uploaded); its device work
+        runs on, ahead of anything launched later on the same stream."""
+        if handle.pending is not None and self.cuda_runner is not None:
+            self.cuda_runner.release(handle.pending)
+
+    def synchronize(self) -> None:
+        """Wait for all device work launched so far."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _execute_torch(self, out: SchedulerOutput) -> dict[str, SeqResult]:
+        """The PyTorch path: block copies, forward pass and sampling, all before it returns."""
         copy_blocks(self.kv_cache, out.blocks_to_copy)
         swap_blocks(self.kv_cache, self.cpu_cache, out.blocks_to_swap_out)
         swap_blocks(self.cpu_cache, self.kv_cache, out.blocks_to_swap_in)

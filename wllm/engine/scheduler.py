@@ -43,6 +43,10 @@ class SchedulerOutput(msgspec.Struct):
     blocks_to_swap_out: list[tuple[int, int]]  # (GPU block, CPU block), done second
     blocks_to_swap_in: list[tuple[int, int]]  # (CPU block, GPU block), done third
     num_batched_tokens: int
+    # A lookahead step (`Scheduler.schedule_lookahead`): per sequence, the sampling row of the
+    # previous step whose token, still on the device, is this sequence's input token. None: every
+    # input token is in `token_ids`.
+    prev_rows: list[int] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -276,6 +280,61 @@ class Scheduler:
         out = [self._scheduled_seq(seq, n) for seq, n in scheduled.values()]
         return SchedulerOutput(out, copies, swap_out, swap_in, self.config.max_num_batched_tokens - budget)
 
+    def schedule_lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """The step that `schedule()` would return once `prev` (launched, not yet applied) is
+        applied, if it is known without prev's sampled token values; else None.
+
+        That is the case when prev decoded every running sequence (one token, one sample each) and
+        the next step decodes the same sequences again: nothing waits for a free sequence slot,
+        nothing is swapped out, no block copies are pending, the pool has the blocks without
+        preempting, and no sequence has logprobs or penalties (whose inputs depend on token values
+        or need the host). Sequences that prev's token finishes by length are left out; those that
+        finish by value (EOS, stop token or string, abort) are in it and their result is dropped.
+        The returned step's input tokens are prev's samples, copied on the device (`prev_rows`);
+        its sampling rows count one more output token than the host has seen yet.
+        """
+        if self._pending_copies or self.swapped or not self.running:
+            return None
+        row_of: dict[str, tuple[int, ScheduledSeq]] = {}
+        row = 0
+        for sched in prev.seqs:
+            row_of[sched.seq_id] = (row, sched)
+            row += sched.num_samples
+        keep: list[tuple[Sequence, int]] = []
+        need = 0
+        bs = self.block_size
+        for seq in self.running:
+            found = row_of.get(seq.seq_id)
+            if found is None:
+                return None  # a running sequence prev did not decode (token budget, a new arrival)
+            r, sched = found
+            if len(sched.token_ids) != 1 or sched.num_samples != 1 or sched.prompt_logprob_targets or \
+                    sched.sampling is not seq.sampling_row:
+                return None
+            p = seq.params
+            if p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
+                    p.presence_penalty != 0.0:
+                return None
+            if (p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens) or \
+                    seq.num_tokens + 1 >= self.max_model_len:
+                continue  # prev's token ends it ("length"): no next step for it
+            keep.append((seq, r))
+            # Slots up to the position after prev's token: prev computes num_computed_tokens.
+            need += max(0, cdiv(seq.num_computed_tokens + 2, bs) - len(seq.blocks))
+        if not keep:
+            return None
+        if len(self.waiting) and len(keep) < self.config.max_num_seqs:
+            return None  # schedule() could admit a waiting request next step: let it
+        if need > self.kv.num_free_blocks:
+            return None  # schedule() would preempt
+        seqs: list[ScheduledSeq] = []
+        for seq, _ in keep:
+            self.kv.allocate_slots(seq, 2)
+            # Token 0 stands in for prev's sample: the runner overwrites it on the device.
+            seqs.append(ScheduledSeq(seq.seq_id, [0], seq.num_computed_tokens + 1, [b.block_id for b in seq.blocks],
+                                     1, seq.sampling_row))
+        return SchedulerOutput(seqs, [], [], [], len(seqs), prev_rows=[r for _, r in keep])
+
     def _scheduled_seq(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         end = start + num_new
@@ -312,6 +371,8 @@ class Scheduler:
             seq = self.seqs.get(sched.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            if sched.sampling is not None and seq.sampling_row is not sched.sampling:
+                continue  # aborted while the step ran, and its request id already reused
             was_prompt = seq.is_prefilling
             seq.num_computed_tokens += len(sched.token_ids)
             if was_prompt:  # a decode chunk starts past the prompt: no prompt tokens in it
@@ -385,8 +446,8 @@ class Scheduler:
         failed: dict[str, RequestGroup] = {}
         for sched in out.seqs:
             seq = self.seqs.get(sched.seq_id)
-            if seq is None:
-                continue
+            if seq is None or (sched.sampling is not None and seq.sampling_row is not sched.sampling):
+                continue  # gone, or its id already reused by a new request
             failed[seq.group.request_id] = seq.group
         for group in failed.values():
             group.error = message

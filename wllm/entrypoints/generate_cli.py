@@ -32,6 +32,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV cache bytes on the CPU")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="CUDA: finish each decode step on the host before launching the next")
     p.add_argument("--no-stream", action="store_true", help="print the answer only when it is complete")
     p.set_defaults(func=run)
 
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine.from_pretrained(model, load_format=args.load_format, device=args.device,
                                            dtype=args.dtype, max_model_len=args.max_model_len,
                                            kv_cache_memory=args.kv_cache_memory, max_num_seqs=1,
-                                           enforce_eager=args.enforce_eager)
+                                           enforce_eager=args.enforce_eager,
+                                           async_scheduling=args.async_scheduling)
         tok = engine.tokenizer
         if args.no_chat or tok is None:
             engine.add_request("cli", prompt, params)
