@@ -302,6 +302,35 @@ def test_streaming_never_shows_a_partial_stop_string(tmp_path_factory):
     assert_all_free(engine)
 
 
+def test_final_only_requests_report_once_with_the_same_text(tmp_path_factory):
+    """final_only: no per-step outputs, text decoded once at the end, identical to the streamed text;
+    an abort mid-way still returns the text of the tokens so far."""
+    model, hf = tiny("llama", tmp_path_factory)
+    prompts = make_prompts()[:3]
+    tok = CharTokenizer()
+    engine = engine_for(model, tokenizer=tok)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"stream{i}", p, params)
+        engine.add_request(f"final{i}", p, params, final_only=True)
+    seen: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    for i in range(len(prompts)):
+        (final,) = seen[f"final{i}"]
+        streamed = seen[f"stream{i}"]
+        assert len(streamed) == MAX_TOKENS and final.finished
+        assert final.outputs[0].text == streamed[-1].outputs[0].text != ""
+        assert final.outputs[0].token_ids == streamed[-1].outputs[0].token_ids
+    engine.add_request("cut", prompts[0], params, final_only=True)
+    for _ in range(3):
+        assert engine.step() == []
+    cut = engine.abort("cut")
+    assert cut.finished and cut.outputs[0].token_ids and cut.outputs[0].text == tok.decode(cut.outputs[0].token_ids)
+    assert_all_free(engine)
+
+
 def test_bad_requests_get_clear_errors(tmp_path_factory):
     model, _ = tiny("llama", tmp_path_factory)
     engine = engine_for(model, blocks=8)

@@ -154,9 +154,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError for bad input and QueueFullError when the waiting
-        queue is at its bound."""
+        queue is at its bound. `final_only`: `step()` returns this request's output only when it
+        finishes, and text without stop strings is decoded once at the end rather than per token
+        (offline batches: at a few hundred sequences that per-step host work is what the GPU waits on)."""
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -174,6 +177,7 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
         group = RequestGroup(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
                              arrival_time=arrival_time, seed=self._rng.getrandbits(63))
+        group.final_only = final_only
         self.scheduler.add_group(group)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -237,6 +241,8 @@ class LLMEngine:
         # One output per request, in the order its first changed sequence came (dict keeps order).
         groups = {id(seq.group): seq.group for seq in changed}
         for group in groups.values():
+            if group.final_only and not group.is_finished:
+                continue
             out = self._make_output(group)
             outputs.append(out)
             if out.finished:
@@ -276,7 +282,7 @@ class LLMEngine:
         if self.tokenizer is None:
             return
         if seq.text_state is None:
-            seq.text_state = TextState(self.tokenizer, seq.prompt_token_ids, seq.params)
+            seq.text_state = TextState(self.tokenizer, seq.prompt_token_ids, seq.params, defer=seq.group.final_only)
         token = seq.output_token_ids[-1]
         stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
         hit = seq.text_state.append(token, len(seq.output_token_ids), decode_token=not stopped_by_token)
@@ -335,7 +341,7 @@ class LLMEngine:
         base = f"gen-{self._rng.getrandbits(32):08x}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params):
-            self.add_request(rid, prompt, p)
+            self.add_request(rid, prompt, p, final_only=True)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -121,6 +121,7 @@ class RequestGroup:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs: list[Sequence] = [Sequence(self, 0)]
         self.num_pending_forks = params.n - 1
+        self.final_only = False  # outputs only when finished (LLMEngine.add_request)
         self.prompt_logprobs: list[StepLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )

@@ -70,7 +70,7 @@ class LLM:
         try:
             for prompt, params in zip(batch, params_list):
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, _prompt_input(prompt), params)
+                self.engine.add_request(rid, _prompt_input(prompt), params, final_only=True)
                 ids.append(rid)
             final: dict[str, RequestOutput] = {}
             while len(final) < len(ids):
