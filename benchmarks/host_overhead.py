@@ -106,7 +106,8 @@ class PhaseTimer:
         setattr(obj, attr, timed)
 
 
-def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bool = True) -> dict[str, float]:
+def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bool = True,
+        final_only: bool = False) -> dict[str, float]:
     torch.manual_seed(0)
     engine = build_engine(batch, graphs, async_scheduling)
     cuda = engine.runner.cuda_runner
@@ -126,7 +127,7 @@ def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bo
     timer.wrap(engine, "step", "_step")
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 50, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{i}", list(range(3, 3 + 32)), params)
+        engine.add_request(f"r{i}", list(range(3, 3 + 32)), params, final_only=final_only)
     for _ in range(3):  # the prefill and a couple of warm-up decode steps
         engine.step()
     decode_steps = steps
@@ -163,12 +164,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", type=int, default=0, help="print the top N cProfile functions")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                     help="finish each step before launching the next (no lookahead)")
+    ap.add_argument("--final-only", action="store_true",
+                    help="requests as LLM.generate adds them: outputs only when finished, text decoded at the end")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per batch size; the run with the lowest total is shown (shared machines are noisy)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     for batch in args.batch:
-        runs = [run(batch, args.steps, not args.eager, args.profile, args.async_scheduling)
+        runs = [run(batch, args.steps, not args.eager, args.profile, args.async_scheduling, args.final_only)
                 for _ in range(max(args.repeat, 1))]
         us = min(runs, key=lambda r: r["TOTAL step"])
         print(f"batch {batch}: host us per decode step ({args.steps} steps, best of {len(runs)})")

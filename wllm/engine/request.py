@@ -45,6 +45,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling; -1 = not yet
         self.blocks: list[KVBlock] = []
+        self._ids_of: list[KVBlock] | None = None  # the `blocks` list _block_ids mirrors
+        self._block_ids: list[int] = []
         self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
         self.block_hashes: list[bytes] = []
         self.swapped_cpu_blocks: list[int] = []
@@ -84,6 +86,19 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The ids of `blocks`, kept in step with it without a rebuild every step: `blocks` only
+        ever grows in place or is replaced by another list. The list is shared: read it, copy it
+        to keep it (a step's inputs are staged from it right away)."""
+        blocks, ids = self.blocks, self._block_ids
+        if self._ids_of is not blocks:
+            self._ids_of = blocks
+            ids = self._block_ids = [b.block_id for b in blocks]
+        elif len(ids) != len(blocks):
+            ids.extend(b.block_id for b in blocks[len(ids):])
+        return ids
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -331,7 +331,7 @@ class Scheduler:
         for seq, _ in keep:
             self.kv.allocate_slots(seq, 2)
             # Token 0 stands in for prev's sample: the runner overwrites it on the device.
-            seqs.append(ScheduledSeq(seq.seq_id, [0], seq.num_computed_tokens + 1, [b.block_id for b in seq.blocks],
+            seqs.append(ScheduledSeq(seq.seq_id, [0], seq.num_computed_tokens + 1, seq.block_ids,
                                      1, seq.sampling_row))
         return SchedulerOutput(seqs, [], [], [], len(seqs), prev_rows=[r for _, r in keep])
 
@@ -359,7 +359,7 @@ class Scheduler:
             if sampling is None:
                 sampling = seq.sampling_row = SamplingRow(group.params, group.seed, seq.index, seq.prompt_token_ids,
                                                           seq.output_token_ids, self.eos_token_ids)
-        return ScheduledSeq(seq.seq_id, seq.all_token_ids[start:end], start, [b.block_id for b in seq.blocks],
+        return ScheduledSeq(seq.seq_id, seq.all_token_ids[start:end], start, seq.block_ids,
                             num_samples, sampling, top, targets, first)
 
     # ------------------------------------------------------------------------------------ update
