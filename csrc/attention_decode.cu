@@ -12,8 +12,8 @@
 // accumulator, and groups and warps are combined once at the end.
 //
 // Splits (flash-decoding): with few sequences the context is split over blockIdx.z. A sequence
-// spreads its own attended span over the grid's splits in multiples of UNIT tokens (enough tiles that
-// one split's loads are all in flight at once), so short contexts use few CTAs and the rest exit at
+// spreads its own attended span over the grid's splits in multiples of UNIT tokens (a few tiles, at
+// least kMinSplitTokens), so short contexts use few CTAs and the rest exit at
 // once; a span of at most one unit plus kSinglePassExtraTiles tiles is not split at all (one CTA, no
 // merge). Each split
 // writes a normalised partial output plus its (max, sum); the last CTA of a
@@ -39,7 +39,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMinBlockSize = 8;          // block sizes are powers of two >= this
 constexpr int kTargetCtas = 512;          // split the context until the grid has about this many CTAs
 constexpr int kSplitUnit = 128;           // host-side grid bound: at most one split per this many tokens
-constexpr int kMinSplitTokens = 64;       // a split covers at least this many tokens
+constexpr int kMinSplitTokens = 32;       // a split covers at least this many tokens (whole tiles)
 constexpr int kTileBytes = 4096;          // target bytes of one K (or V) tile in shared memory
 constexpr int kStageBudget = 44 * 1024;   // shared-memory bytes for all pipeline stages of a CTA
 constexpr int kCounterSlots = 4096;       // fused-merge tickets at the start of the workspace
@@ -112,8 +112,10 @@ struct Tiling {
   static constexpr int S = cmin(6, cmax(2, kStageBudget / STAGE_BYTES));
   static constexpr int CPR = D * kElem / 16;  // 16-byte chunks per row
   static constexpr int NCH = (TT * CPR + kThreads - 1) / kThreads;  // chunks per thread per K (or V) tile
-  // Tokens a split covers at least: all of them fit in the S - 1 tiles the prologue has in flight.
-  static constexpr int UNIT = (cmax(kMinSplitTokens, TT * (S - 1)) + TT - 1) / TT * TT;
+  // Tokens a split covers at least, whole tiles. Short: with few sequences most SMs are idle, and a
+  // tile's compute (a chain of shuffles, exps and one __syncthreads) costs more than the extra CTA and
+  // the extra partial, which the merge reads in the same round trip as the others.
+  static constexpr int UNIT = (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
   static constexpr int ACC_BYTES = kWarps * GQ * D * 4;  // the end-of-loop combine reuses the stages
   static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);
   static_assert(ROW_BYTES % 16 == 0, "rows must keep 16-byte alignment for cp.async");
@@ -596,15 +598,21 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
       const int i = threadIdx.x + r * kThreads;
       if (i < heads * D) {
         const int h = i / D, d = i - h * D;
+        // Rescale once per chunk to its max, so the loop over splits is a plain FMA chain (the exps
+        // are independent of each other).
+        float m_new = m[r];
+        for (int sp = 0; sp < nc; ++sp) m_new = fmaxf(m_new, s_st[(sp * GQ + h) * 2]);
+        const float f = m[r] == -INFINITY ? 0.0f : __expf(m[r] - m_new);
+        float o_r = o[r] * f, l_r = l[r] * f;
         for (int sp = 0; sp < nc; ++sp) {
           const float m_i = s_st[(sp * GQ + h) * 2], s_i = s_st[(sp * GQ + h) * 2 + 1];
-          const float m_new = fmaxf(m[r], m_i);
-          const float f = m[r] == -INFINITY ? 0.0f : __expf(m[r] - m_new);
           const float w = m_i == -INFINITY ? 0.0f : s_i * __expf(m_i - m_new);
-          o[r] = fmaf(w, s_po[(sp * GQ + h) * D + d], o[r] * f);
-          l[r] = fmaf(l[r], f, w);
-          m[r] = m_new;
+          o_r = fmaf(w, s_po[(sp * GQ + h) * D + d], o_r);
+          l_r += w;
         }
+        o[r] = o_r;
+        l[r] = l_r;
+        m[r] = m_new;
       }
     }
     __syncthreads();  // the next chunk's copies overwrite the staging

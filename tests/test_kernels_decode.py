@@ -444,8 +444,8 @@ def test_paged_decode_separate_merge_when_tickets_do_not_fit() -> None:
 def test_paged_decode_single_pass_edges_inside_cuda_graph(head_size, num_heads, num_kv_heads, dtype) -> None:
     """Batch 1 in a graph captured for max_seq_len 4096 (many grid splits): contexts either side of the
     span below which one CTA per KV head does the whole sequence (no partials, no merge) -- one split unit
-    plus two tiles, 96 or 160 tokens for the bf16 layouts here -- and of two and many splits; every replay
-    must match the reference and leave the tickets at zero."""
+    plus two tiles: 48, 64 or 96 tokens for the bf16 layouts here -- and of two and many splits; every
+    replay must match the reference and leave the tickets at zero."""
     torch.manual_seed(18)
     block_size, max_seq_len = 16, 4096
     max_blocks = max_seq_len // block_size
@@ -461,7 +461,7 @@ def test_paged_decode_single_pass_edges_inside_cuda_graph(head_size, num_heads, 
                                               max_seq_len=max_seq_len, workspace=workspace)
 
     graph, out = capture_graph(step)
-    for n in [1, 63, 64, 65, 95, 96, 97, 112, 127, 128, 129, 159, 160, 161, 176, 192, 193, 256, 257, 512, 640]:
+    for n in [1, 31, 32, 33, 47, 48, 49, 63, 64, 65, 95, 96, 97, 128, 129, 160, 161, 257, 512, 640, 1000, 4096]:
         tables.copy_(torch.randperm(max_blocks, device="cuda")[None].int())
         lens.fill_(n)
         q.copy_(torch.randn_like(q))
