@@ -1,26 +1,24 @@
 // Paged decode attention: one query token per sequence over its paged K/V.
 //
 // One thread block (CTA) per (sequence, KV head [, chunk of its query-head group], split); the heads of
-// a sequence are adjacent in blockIdx.x, so they run together and share DRAM pages. The CTA
-// reads each key and value row of its KV head once for all the query heads it serves (GQA). K and V
-// rows stream through shared memory in tiles of TT tokens with an S-stage cp.async pipeline (sm_80+;
-// plain loads on older GPUs): the K and V loads of a tile are issued together, S - 1 tiles ahead of
-// the one being computed, so a CTA pays about one memory latency however many tiles it reads. Block-
-// table entries go through shared memory in windows of 128, each loaded a whole window ahead, so no
-// tile issue waits on a table read. There is one
-// __syncthreads per tile: each token group of lanes keeps its own online softmax (max, sum) and fp32
-// accumulator, and groups and warps are combined once at the end.
+// a sequence are adjacent in blockIdx.x, so they run together and share DRAM pages. The CTA reads each
+// key and value row of its KV head once for all the query heads it serves (GQA). K and V rows stream
+// through shared memory in tiles of TT tokens with an S-stage cp.async pipeline (sm_80+; plain loads on
+// older GPUs): the K and V loads of a tile are issued together, S - 1 tiles ahead of the one being
+// computed, so a CTA pays about one memory latency however many tiles it reads. Block-table entries go
+// through shared memory in windows of 128, each loaded a whole window ahead, so no tile issue waits on a
+// table read. There is one __syncthreads per tile: each token group of lanes keeps its own online
+// softmax (max, sum) and fp32 accumulator, and groups and warps are combined once at the end.
 //
-// Splits (flash-decoding): with few sequences the context is split over blockIdx.z. A sequence
-// spreads its own attended span over the grid's splits in multiples of UNIT tokens (a few tiles, at
-// least kMinSplitTokens), so short contexts use few CTAs and the rest exit at
-// once; a span of at most one unit plus kSinglePassExtraTiles tiles is not split at all (one CTA, no
-// merge). Each split
-// writes a normalised partial output plus its (max, sum); the last CTA of a
-// (sequence, KV-head chunk) to finish -- an atomic ticket in the workspace that this CTA resets to
-// zero, so CUDA graph replays find it zero again -- merges the partials (all reads of a few splits
-// in flight at once) and writes the output, with no second launch. The grid only depends on
-// host-side sizes, so a CUDA graph captured for a maximum context stays valid for shorter ones.
+// Splits (flash-decoding): with few sequences the context is split over blockIdx.z. A sequence spreads
+// its own attended span over the grid's splits in multiples of UNIT tokens (a few tiles, at least
+// kMinSplitTokens), so short contexts use few CTAs and the rest exit at once; a span of at most one unit
+// plus kSinglePassExtraTiles tiles is not split at all (one CTA, no merge). Each split writes a
+// normalised partial output plus its (max, sum); the last CTA of a (sequence, KV-head chunk) to finish
+// -- an atomic ticket in the workspace that this CTA resets to zero, so CUDA graph replays find it zero
+// again -- merges the partials (the reads of up to ~20 splits in flight at once) and writes the output,
+// with no second launch. The grid only depends on host-side sizes, so a CUDA graph captured for a
+// maximum context stays valid for shorter ones.
 //
 // Lane layout: LPT lanes share one token, each loading VEC contiguous elements per vector and NV
 // vectors (strided by LPT * VEC) of the head; a warp covers TPW = 32 / LPT tokens at a time. LPT
@@ -123,14 +121,15 @@ struct Tiling {
   static_assert(TT % PASS == 0 && TT * CPR <= NCH * kThreads, "tile shape");
 };
 
-// 16-byte global -> shared copy: asynchronous (cp.async, L2 only) on sm_80+, a plain load and store
-// before that (then the pipeline is synchronous but still correct).
+// 16-byte global -> shared copy: asynchronous (cp.async, L2 only) on sm_80+, an L2 load (__ldcg) and a
+// store before that (then the pipeline is synchronous but still correct). L2 only matters for the fused
+// merge, which reads partials other CTAs wrote.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 #else
-  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+  *static_cast<uint4*>(smem) = __ldcg(static_cast<const uint4*>(gmem));
 #endif
 }
 
