@@ -1,22 +1,24 @@
 // Paged decode attention: one query token per sequence over its paged K/V.
 //
-// One thread block (CTA) per (sequence, KV head [, chunk of its query-head group], split). The CTA
-// reads each key and value row of its KV head once for all the query heads it serves (GQA). K and V
-// rows stream through shared memory in tiles of TT tokens with an S-stage cp.async pipeline (sm_80+;
-// plain loads on older GPUs): the K and V loads of a tile are issued together, S - 1 tiles ahead of
-// the one being computed, so a CTA pays about one memory latency however many tiles it reads, and the
-// block-table entries of the next tile are fetched one iteration before they are needed. There is one
-// __syncthreads per tile: each token group of lanes keeps its own online softmax (max, sum) and fp32
-// accumulator, and groups and warps are combined once at the end.
+// One thread block (CTA) per (sequence, KV head [, chunk of its query-head group], split); the heads of
+// a sequence are adjacent in blockIdx.x, so they run together and share DRAM pages. The CTA reads each
+// key and value row of its KV head once for all the query heads it serves (GQA). K and V rows stream
+// through shared memory in tiles of TT tokens with an S-stage cp.async pipeline (sm_80+; plain loads on
+// older GPUs): the K and V loads of a tile are issued together, S - 1 tiles ahead of the one being
+// computed, so a CTA pays about one memory latency however many tiles it reads. Block-table entries go
+// through shared memory in windows of 128, each loaded a whole window ahead, so no tile issue waits on a
+// table read. There is one __syncthreads per tile: each token group of lanes keeps its own online
+// softmax (max, sum) and fp32 accumulator, and groups and warps are combined once at the end.
 //
-// Splits (flash-decoding): with few sequences the context is split over blockIdx.z. A sequence
-// spreads its own attended span over the grid's splits in multiples of UNIT tokens (enough tiles that
-// one split's loads are all in flight at once), so short contexts use few CTAs and the rest exit at
-// once. Each split writes a normalised partial output plus its (max, sum); the last CTA of a
-// (sequence, KV-head chunk) to finish -- an atomic ticket in the workspace that this CTA resets to
-// zero, so CUDA graph replays find it zero again -- merges the partials and writes the output, with no
-// second launch. The grid only depends on host-side sizes, so a CUDA graph captured for a maximum
-// context stays valid for shorter ones.
+// Splits (flash-decoding): with few sequences the context is split over blockIdx.z. A sequence spreads
+// its own attended span over the grid's splits in multiples of UNIT tokens (a few tiles, at least
+// kMinSplitTokens), so short contexts use few CTAs and the rest exit at once; a span of at most one unit
+// plus kSinglePassExtraTiles tiles is not split at all (one CTA, no merge). Each split writes a
+// normalised partial output plus its (max, sum); the last CTA of a (sequence, KV-head chunk) to finish
+// -- an atomic ticket in the workspace that this CTA resets to zero, so CUDA graph replays find it zero
+// again -- merges the partials (the reads of up to ~20 splits in flight at once) and writes the output,
+// with no second launch. The grid only depends on host-side sizes, so a CUDA graph captured for a
+// maximum context stays valid for shorter ones.
 //
 // Lane layout: LPT lanes share one token, each loading VEC contiguous elements per vector and NV
 // vectors (strided by LPT * VEC) of the head; a warp covers TPW = 32 / LPT tokens at a time. LPT
@@ -35,7 +37,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMinBlockSize = 8;          // block sizes are powers of two >= this
 constexpr int kTargetCtas = 512;          // split the context until the grid has about this many CTAs
 constexpr int kSplitUnit = 128;           // host-side grid bound: at most one split per this many tokens
-constexpr int kMinSplitTokens = 64;       // a split covers at least this many tokens
+constexpr int kMinSplitTokens = 32;       // a split covers at least this many tokens (whole tiles)
 constexpr int kTileBytes = 4096;          // target bytes of one K (or V) tile in shared memory
 constexpr int kStageBudget = 44 * 1024;   // shared-memory bytes for all pipeline stages of a CTA
 constexpr int kCounterSlots = 4096;       // fused-merge tickets at the start of the workspace
@@ -108,8 +110,10 @@ struct Tiling {
   static constexpr int S = cmin(6, cmax(2, kStageBudget / STAGE_BYTES));
   static constexpr int CPR = D * kElem / 16;  // 16-byte chunks per row
   static constexpr int NCH = (TT * CPR + kThreads - 1) / kThreads;  // chunks per thread per K (or V) tile
-  // Tokens a split covers at least: all of them fit in the S - 1 tiles the prologue has in flight.
-  static constexpr int UNIT = (cmax(kMinSplitTokens, TT * (S - 1)) + TT - 1) / TT * TT;
+  // Tokens a split covers at least, whole tiles. Short: with few sequences most SMs are idle, and a
+  // tile's compute (a chain of shuffles, exps and one __syncthreads) costs more than the extra CTA and
+  // the extra partial, which the merge reads in the same round trip as the others.
+  static constexpr int UNIT = (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
   static constexpr int ACC_BYTES = kWarps * GQ * D * 4;  // the end-of-loop combine reuses the stages
   static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);
   static_assert(ROW_BYTES % 16 == 0, "rows must keep 16-byte alignment for cp.async");
@@ -117,14 +121,15 @@ struct Tiling {
   static_assert(TT % PASS == 0 && TT * CPR <= NCH * kThreads, "tile shape");
 };
 
-// 16-byte global -> shared copy: asynchronous (cp.async, L2 only) on sm_80+, a plain load and store
-// before that (then the pipeline is synchronous but still correct).
+// 16-byte global -> shared copy: asynchronous (cp.async, L2 only) on sm_80+, an L2 load (__ldcg) and a
+// store before that (then the pipeline is synchronous but still correct). L2 only matters for the fused
+// merge, which reads partials other CTAs wrote.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 #else
-  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+  *static_cast<uint4*>(smem) = __ldcg(static_cast<const uint4*>(gmem));
 #endif
 }
 
@@ -149,7 +154,7 @@ struct Params {
   const void* v_cache;
   const int32_t* block_tables;
   const int32_t* seq_lens;
-  unsigned int* counters;  // [S * gridDim.y] tickets, zero between calls (fused merge)
+  unsigned int* counters;  // [S * KV heads * chunks] tickets, zero between calls (fused merge)
   float* partial_out;      // [S, Hq, splits, D] (split mode)
   float* partial_stats;    // [S, Hq, splits, 2] = (max, sum) (split mode)
   int64_t q_seq_stride, q_head_stride, out_seq_stride, out_head_stride;
@@ -157,32 +162,57 @@ struct Params {
   int num_heads, num_kv_heads, group, chunks, per_chunk;
   int block_shift;
   int splits, split_unit;
+  int single_max;  // spans up to this many tokens are never split (set per instantiation)
   int fused;  // 1: the last split CTA merges; 0: merge_splits_kernel runs after
   float scale, softcap;
   int window;
 };
 
-// Tokens per split for one sequence: its attended span spread over the grid's splits in multiples
-// of `unit` (the grid itself is fixed by the host-side maximum, which keeps CUDA graphs valid).
+// A sequence whose attended span is at most one split unit plus this many tiles runs in one CTA per
+// (KV head, chunk) even when the grid has splits: a couple of tiles more in one CTA (one more memory
+// round trip, overlapped with compute) cost less than the partial write, fence, ticket and merge reads
+// of a second split (about four dependent L2 round trips).
+constexpr int kSinglePassExtraTiles = 2;
+
+// True when one CTA covers the sequence's whole span (no partials, no merge).
+__device__ __forceinline__ bool single_pass(int span, int splits, int single_max) {
+  return splits == 1 || span <= single_max;
+}
+
+// Tokens per split for a sequence that splits: its attended span spread over the grid's splits in
+// multiples of `unit` (the grid itself is fixed by the host-side maximum, which keeps CUDA graphs valid).
 __device__ __forceinline__ int seq_split_tokens(int span, int splits, int unit) {
-  if (splits == 1) return INT_MAX;
   const int per = (span + splits - 1) / splits;
   return max((per + unit - 1) / unit, 1) * unit;
 }
 
 // Splits of a sequence that hold tokens (<= splits, as split_tokens >= span / splits).
-__device__ __forceinline__ int active_splits(int span, int splits, int unit) {
+__device__ __forceinline__ int active_splits(int span, int splits, int unit, int single_max) {
   if (span <= 0) return 0;
-  if (splits == 1) return 1;
+  if (single_pass(span, splits, single_max)) return 1;
   const int st = seq_split_tokens(span, splits, unit);
   return (span + st - 1) / st;
 }
 
+// Block-table entries stream through shared memory in windows of kIdWindow entries (two slots), loaded
+// one window ahead into a register of each thread, so that issuing a tile never waits on a global load
+// of its block ids (under full bandwidth load that round trip, once per tile, set the pace).
+constexpr int kIdWindowShift = 7;
+constexpr int kIdWindow = 1 << kIdWindowShift;
+static_assert(kIdWindow == kThreads, "one table entry per thread per window");
+
+// This thread's entry of window w: table index tb0 + w * kIdWindow + threadIdx.x, 0 past the span's last
+// block (the row may end there: never read past it).
+__device__ __forceinline__ int load_window(const int32_t* table, int tb0, int tb_last, int w) {
+  const int idx = tb0 + w * kIdWindow + (int)threadIdx.x;
+  return idx <= tb_last ? __ldg(table + idx) : 0;
+}
+
 // Issues the cp.async copies of one K/V tile: chunk c = threadIdx.x + i * kThreads of the tile is
-// row c / CPR, 16-byte column c % CPR; ids[i] is that row's block (read one step earlier).
+// row c / CPR, 16-byte column c % CPR; the row's block id comes from the shared-memory window slots.
 template <typename T, int D, int GQ>
 __device__ __forceinline__ void issue_tile(unsigned char* stage, const T* k_cache, const T* v_cache,
-                                           const int (&ids)[Tiling<T, D, GQ>::NCH], int tile0, int end,
+                                           const int (*ids)[kIdWindow], int tb0, int tile0, int end,
                                            const Params& p, int block_mask) {
   using TL = Tiling<T, D, GQ>;
   constexpr int kPerChunk = 16 / (int)sizeof(T);
@@ -192,25 +222,14 @@ __device__ __forceinline__ void issue_tile(unsigned char* stage, const T* k_cach
     const int row = c / TL::CPR, col = c - row * TL::CPR;
     const int pos = tile0 + row;
     if (c < TL::TT * TL::CPR && pos < end) {
-      const int64_t off = (int64_t)ids[i] * p.block_stride + (int64_t)(pos & block_mask) * p.token_stride +
+      const int r = (pos >> p.block_shift) - tb0;
+      const int id = ids[(r >> kIdWindowShift) & 1][r & (kIdWindow - 1)];
+      const int64_t off = (int64_t)id * p.block_stride + (int64_t)(pos & block_mask) * p.token_stride +
                           col * kPerChunk;
       unsigned char* dst = stage + row * TL::ROW_BYTES + col * 16;
       cp_async16(dst, k_cache + off);
       cp_async16(dst + TL::TT * TL::ROW_BYTES, v_cache + off);
     }
-  }
-}
-
-// Block ids of this thread's rows of the tile starting at tile0 (0 past the end: never used).
-template <typename T, int D, int GQ>
-__device__ __forceinline__ void load_ids(int (&ids)[Tiling<T, D, GQ>::NCH], const int32_t* table, int tile0,
-                                         int end, int block_shift) {
-  using TL = Tiling<T, D, GQ>;
-#pragma unroll
-  for (int i = 0; i < TL::NCH; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    const int pos = tile0 + c / TL::CPR;
-    ids[i] = (c < TL::TT * TL::CPR && pos < end) ? __ldg(table + (pos >> block_shift)) : 0;
   }
 }
 
@@ -224,11 +243,17 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
 
   __shared__ __align__(16) unsigned char smem[TL::SMEM_BYTES];
   __shared__ float s_m[kWarps][GQ], s_l[kWarps][GQ];
+  __shared__ int s_ids[2][kIdWindow];
   __shared__ int s_last;
 
-  const int seq = blockIdx.x;
-  const int kv_head = blockIdx.y / p.chunks;
-  const int g0 = (blockIdx.y - kv_head * p.chunks) * p.per_chunk;
+  // blockIdx.x = sequence * (KV heads x chunks) + KV-head chunk: the CTAs of one sequence's heads are
+  // launched together, so they read the interleaved head rows of the same cache blocks at about the
+  // same time (DRAM pages opened once rather than once per wave).
+  const int pairs = p.num_kv_heads * p.chunks;
+  const int seq = (int)blockIdx.x / pairs;
+  const int hc = (int)blockIdx.x - seq * pairs;
+  const int kv_head = hc / p.chunks;
+  const int g0 = (hc - kv_head * p.chunks) * p.per_chunk;
   const int heads = min(p.per_chunk, p.group - g0);  // query heads this CTA serves (<= GQ)
   const int head0 = kv_head * p.group + g0;
   const int split = blockIdx.z;
@@ -240,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
   const int seq_len = max(p.seq_lens[seq], 0);
   const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
   const int span = seq_len - lo;
-  const int n_active = active_splits(span, p.splits, p.split_unit);
+  const int n_active = active_splits(span, p.splits, p.split_unit, p.single_max);
   if (n_active == 0) {
     // Empty sequence (a graph padding row): zeros, never uninitialised memory; split 0 writes them.
     if (split == 0) {
@@ -252,9 +277,12 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
     return;
   }
   if (split >= n_active) return;  // an idle split: no tokens, no ticket
-  const int st = seq_split_tokens(span, p.splits, p.split_unit);
-  const int begin = lo + split * st;
-  const int end = p.splits == 1 ? seq_len : min(seq_len, begin + st);
+  int begin = lo, end = seq_len;
+  if (n_active > 1) {
+    const int st = seq_split_tokens(span, p.splits, p.split_unit);
+    begin = lo + split * st;
+    end = min(seq_len, begin + st);
+  }
   const int num_tiles = (end - begin + TT - 1) / TT;
 
   const T* k_cache = static_cast<const T*>(p.k_cache) + (int64_t)kv_head * p.head_stride;
@@ -262,20 +290,26 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
   const int32_t* table = p.block_tables + (int64_t)seq * p.block_table_stride;
   const int block_mask = (1 << p.block_shift) - 1;
 
-  // ---- pipeline prologue: block ids of the first S - 1 tiles (one round trip), then their copies --
+  // ---- pipeline prologue: block-id windows 0 and 1 (one round trip; window 2 stays in flight in a
+  // register), then the copies of the first S - 1 tiles, which lie within windows 0 and 1 ----------
+  const int tb0 = begin >> p.block_shift;
+  const int tb_last = (end - 1) >> p.block_shift;
+  int have = 1;  // the highest window held in s_ids (window w sits in slot w & 1)
+  int next_window;
   {
-    int ids[S - 1][TL::NCH];
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) load_ids<T, D, GQ>(ids[s], table, begin + s * TT, end, p.block_shift);
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      if (s < num_tiles) issue_tile<T, D, GQ>(smem + s * TL::STAGE_BYTES, k_cache, v_cache, ids[s], begin + s * TT,
-                                              end, p, block_mask);
-      cp_async_commit();  // empty groups keep the group count uniform
-    }
+    const int w0 = load_window(table, tb0, tb_last, 0);
+    const int w1 = load_window(table, tb0, tb_last, 1);
+    next_window = load_window(table, tb0, tb_last, 2);
+    s_ids[0][threadIdx.x] = w0;
+    s_ids[1][threadIdx.x] = w1;
   }
-  int next_ids[TL::NCH];
-  load_ids<T, D, GQ>(next_ids, table, begin + (S - 1) * TT, end, p.block_shift);
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < num_tiles) issue_tile<T, D, GQ>(smem + s * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, begin + s * TT,
+                                            end, p, block_mask);
+    cp_async_commit();  // empty groups keep the group count uniform
+  }
 
   // q (in flight with the first tiles), padded heads as zeros.
   float qf[GQ][NV][VEC];
@@ -311,11 +345,21 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
     cp_async_wait<S - 2>();  // tile j has landed (for this thread's copies) ...
     __syncthreads();         // ... and for every thread's; all warps are done with tile j - 1
     if (j + S - 1 < num_tiles) {
-      issue_tile<T, D, GQ>(smem + ((j + S - 1) % S) * TL::STAGE_BYTES, k_cache, v_cache, next_ids,
-                           begin + (j + S - 1) * TT, end, p, block_mask);
+      const int tile_in = begin + (j + S - 1) * TT;
+      const int last_window = (((min(end, tile_in + TT) - 1) >> p.block_shift) - tb0) >> kIdWindowShift;
+      if (last_window > have) {
+        // The tile reaches the next window (uniform over the CTA; a tile spans far fewer than kIdWindow
+        // entries, so one step). Its slot held window have - 1, whose last reader issued before the
+        // __syncthreads above; the register was loaded a whole window of tiles ago.
+        s_ids[(have + 1) & 1][threadIdx.x] = next_window;
+        __syncthreads();
+        ++have;
+        next_window = load_window(table, tb0, tb_last, have + 1);
+      }
+      issue_tile<T, D, GQ>(smem + ((j + S - 1) % S) * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, tile_in, end,
+                           p, block_mask);
     }
     cp_async_commit();
-    if (j + S < num_tiles) load_ids<T, D, GQ>(next_ids, table, begin + (j + S) * TT, end, p.block_shift);
 
     const unsigned char* k_tile = smem + (j % S) * TL::STAGE_BYTES;
     const unsigned char* v_tile = k_tile + TT * ROW;
@@ -502,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
   // ---- fused merge: the last split CTA of this (sequence, KV-head chunk) combines them all ------
   __threadfence();  // this thread's partials are visible device-wide before the ticket is taken
   __syncthreads();
-  unsigned int* counter = p.counters + (int64_t)seq * gridDim.y + blockIdx.y;
+  unsigned int* counter = p.counters + blockIdx.x;  // one ticket per (sequence, KV-head chunk)
   if (threadIdx.x == 0) {
     const unsigned int ticket = atomicAdd(counter, 1u);
     s_last = ticket == (unsigned int)(n_active - 1);
@@ -511,29 +555,75 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
   __syncthreads();
   if (!s_last) return;
   __threadfence();
+  // The partials of up to kChunk splits are copied into the (now idle) stage memory all at once --
+  // every 16-byte piece its own cp.async, the (max, sum) pairs plain loads in flight alongside -- so a
+  // merge costs one L2 round trip per kChunk splits (a loop over splits per output element, one element
+  // after another, made that chain n_active * heads * D / kThreads loads long).
+  constexpr int kQuads = D / 4;
+  constexpr int kChunk = TL::SMEM_BYTES / ((GQ * D + 2 * GQ) * (int)sizeof(float));
+  static_assert(kChunk >= 1 && D % 4 == 0, "merge staging");
+  constexpr int R = (GQ * D + kThreads - 1) / kThreads;
+  float* s_po = reinterpret_cast<float*>(smem);  // [kChunk][GQ][D] partial outputs
+  float* s_st = s_po + kChunk * GQ * D;          // [kChunk][GQ][2] (max, sum)
   const int64_t row0 = ((int64_t)seq * p.num_heads + head0) * p.splits;
-  for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-    const int h = i / D, d = i - h * D;
-    const int64_t r0 = row0 + (int64_t)h * p.splits;
-    float m = -INFINITY, sum = 0.0f, o = 0.0f;
-#pragma unroll 4
-    for (int sp = 0; sp < n_active; ++sp) {
-      // L2 reads (__ldcg): other CTAs wrote these, this SM's L1 may hold nothing valid for them.
-      const float m_i = __ldcg(p.partial_stats + (r0 + sp) * 2);
-      const float s_i = __ldcg(p.partial_stats + (r0 + sp) * 2 + 1);
-      const float o_i = __ldcg(p.partial_out + (r0 + sp) * D + d);
-      if (m_i > m) {
-        const float f = m == -INFINITY ? 0.0f : __expf(m - m_i);
-        o *= f;
-        sum *= f;
-        m = m_i;
-      }
-      const float w = m_i == -INFINITY ? 0.0f : s_i * __expf(m_i - m);
-      o = fmaf(w, o_i, o);
-      sum += w;
+  float m[R], l[R], o[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    o[r] = 0.0f;
+  }
+  for (int sp0 = 0; sp0 < n_active; sp0 += kChunk) {
+    const int nc = min(kChunk, n_active - sp0);
+    for (int c = threadIdx.x; c < heads * nc * kQuads; c += kThreads) {
+      const int hs = c / kQuads, q4 = c - hs * kQuads;
+      const int h = hs / nc, sp = hs - h * nc;
+      // cp.async.cg reads L2, where the other CTAs' partials are (never a stale L1 line).
+      const int64_t row = row0 + (int64_t)h * p.splits + sp0 + sp;
+      cp_async16(s_po + (sp * GQ + h) * D + q4 * 4, p.partial_out + row * D + q4 * 4);
     }
-    T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)(head0 + h) * p.out_head_stride;
-    out[d] = Conv<T>::from_float(sum > 0.0f ? o / sum : 0.0f);
+    cp_async_commit();
+    for (int c = threadIdx.x; c < heads * nc; c += kThreads) {
+      const int h = c / nc, sp = c - h * nc;
+      const int64_t row = row0 + (int64_t)h * p.splits + sp0 + sp;
+      const float2 st = __ldcg(reinterpret_cast<const float2*>(p.partial_stats) + row);
+      s_st[(sp * GQ + h) * 2] = st.x;
+      s_st[(sp * GQ + h) * 2 + 1] = st.y;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int i = threadIdx.x + r * kThreads;
+      if (i < heads * D) {
+        const int h = i / D, d = i - h * D;
+        // Rescale once per chunk to its max, so the loop over splits is a plain FMA chain (the exps
+        // are independent of each other).
+        float m_new = m[r];
+        for (int sp = 0; sp < nc; ++sp) m_new = fmaxf(m_new, s_st[(sp * GQ + h) * 2]);
+        const float f = m[r] == -INFINITY ? 0.0f : __expf(m[r] - m_new);
+        float o_r = o[r] * f, l_r = l[r] * f;
+        for (int sp = 0; sp < nc; ++sp) {
+          const float m_i = s_st[(sp * GQ + h) * 2], s_i = s_st[(sp * GQ + h) * 2 + 1];
+          const float w = m_i == -INFINITY ? 0.0f : s_i * __expf(m_i - m_new);
+          o_r = fmaf(w, s_po[(sp * GQ + h) * D + d], o_r);
+          l_r += w;
+        }
+        o[r] = o_r;
+        l[r] = l_r;
+        m[r] = m_new;
+      }
+    }
+    __syncthreads();  // the next chunk's copies overwrite the staging
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int i = threadIdx.x + r * kThreads;
+    if (i < heads * D) {
+      const int h = i / D, d = i - h * D;
+      T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)(head0 + h) * p.out_head_stride;
+      out[d] = Conv<T>::from_float(l[r] > 0.0f ? o[r] / l[r] : 0.0f);
+    }
   }
 }
 
@@ -545,7 +635,7 @@ __global__ void merge_splits_kernel(const Params p, int head_size) {
   const int seq = blockIdx.x, head = blockIdx.y;
   const int seq_len = max(p.seq_lens[seq], 0);
   const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
-  const int n_active = active_splits(seq_len - lo, p.splits, p.split_unit);
+  const int n_active = active_splits(seq_len - lo, p.splits, p.split_unit, p.single_max);
   if (n_active <= 1) return;
   T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)head * p.out_head_stride;
   const int64_t row0 = ((int64_t)seq * p.num_heads + head) * p.splits;
@@ -603,9 +693,11 @@ static Plan make_plan(int num_seqs, int num_heads, int num_kv_heads, int head_si
 template <typename T, int D, int GQ>
 static void launch_kernel(Params p, dim3 grid, cudaStream_t s) {
   p.split_unit = Tiling<T, D, GQ>::UNIT;
+  p.single_max = Tiling<T, D, GQ>::UNIT + kSinglePassExtraTiles * Tiling<T, D, GQ>::TT;
   paged_decode_kernel<T, D, GQ><<<grid, kThreads, 0, s>>>(p);
   if (p.splits > 1 && !p.fused) {
-    merge_splits_kernel<T><<<dim3(grid.x, (unsigned)p.num_heads), 128, 0, s>>>(p, D);
+    const unsigned seqs = grid.x / (unsigned)(p.num_kv_heads * p.chunks);
+    merge_splits_kernel<T><<<dim3(seqs, (unsigned)p.num_heads), 128, 0, s>>>(p, D);
   }
 }
 
@@ -621,7 +713,11 @@ static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
 
 template <typename T>
 static int launch(const Params& p, int head_size, int gq, int num_seqs, cudaStream_t s) {
-  const dim3 grid((unsigned)num_seqs, (unsigned)(p.num_kv_heads * p.chunks), (unsigned)p.splits);
+  if ((int64_t)num_seqs * p.num_kv_heads * p.chunks > INT_MAX) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_decode_attention: %d sequences x %d KV heads is too many CTAs",
+                num_seqs, p.num_kv_heads);
+  }
+  const dim3 grid((unsigned)((int64_t)num_seqs * p.num_kv_heads * p.chunks), 1u, (unsigned)p.splits);
   switch (head_size) {
     case 64: launch_for_gq<T, 64>(p, gq, grid, s); break;
     case 80: launch_for_gq<T, 80>(p, gq, grid, s); break;
@@ -699,6 +795,10 @@ WLLM_API int WLLM_FN(wllm_paged_decode_attention)(
                 (long long)vec);
   }
   const Plan plan = make_plan(num_seqs, num_heads, num_kv_heads, head_size, max_seq_len, num_splits);
+  if (plan.splits > 1 && (reinterpret_cast<uintptr_t>(workspace) & 15u) != 0) {
+    // The fused merge copies partials with 16-byte cp.async.
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_decode_attention: the workspace must be 16-byte aligned");
+  }
   if (plan.splits > 1 && (workspace == nullptr || workspace_bytes < plan.workspace_bytes)) {
     return fail(WLLM_ERR_INVALID_ARGUMENT,
                 "paged_decode_attention: workspace of %lld bytes is too small (%lld needed; ask "
@@ -731,7 +831,8 @@ WLLM_API int WLLM_FN(wllm_paged_decode_attention)(
   p.block_shift = 0;
   while ((1 << p.block_shift) < block_size) ++p.block_shift;
   p.splits = plan.splits;
-  p.split_unit = 0;  // set per instantiation by launch_kernel
+  p.split_unit = 0;  // these two are set per instantiation by launch_kernel
+  p.single_max = 0;
   p.fused = plan.fused ? 1 : 0;
   p.scale = scale;
   p.softcap = logit_softcap;

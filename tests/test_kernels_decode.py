@@ -436,3 +436,68 @@ def test_paged_decode_separate_merge_when_tickets_do_not_fit() -> None:
                                          num_splits=4, workspace=workspace)
     torch.testing.assert_close(got, want, rtol=4e-3, atol=4e-3)
     assert_tickets_zero(workspace, "separate merge")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 14, 2), (128, 32, 8), (256, 8, 1), (80, 5, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_decode_single_pass_edges_inside_cuda_graph(head_size, num_heads, num_kv_heads, dtype) -> None:
+    """Batch 1 in a graph captured for max_seq_len 4096 (many grid splits): contexts either side of the
+    span below which one CTA per KV head does the whole sequence (no partials, no merge) -- one split unit
+    plus two tiles: 48, 64 or 96 tokens for the bf16 layouts here -- and of two and many splits; every
+    replay must match the reference and leave the tickets at zero."""
+    torch.manual_seed(18)
+    block_size, max_seq_len = 16, 4096
+    max_blocks = max_seq_len // block_size
+    cache = torch.randn(1, 2, max_blocks + 1, block_size, num_kv_heads, head_size, device="cuda").to(dtype)
+    q = torch.randn(1, num_heads, head_size, device="cuda").to(dtype)
+    tables = torch.zeros(1, max_blocks, dtype=torch.int32, device="cuda")
+    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    workspace = zeroed_workspace(1, num_heads, num_kv_heads, head_size, max_seq_len)
+    scale = head_size**-0.5
+
+    def step() -> torch.Tensor:
+        return kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, scale,
+                                              max_seq_len=max_seq_len, workspace=workspace)
+
+    graph, out = capture_graph(step)
+    for n in [1, 31, 32, 33, 47, 48, 49, 63, 64, 65, 95, 96, 97, 128, 129, 160, 161, 257, 512, 640, 1000, 4096]:
+        tables.copy_(torch.randperm(max_blocks, device="cuda")[None].int())
+        lens.fill_(n)
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1],
+                                   msg=lambda m, n=n: f"context {n}: {m}")
+        assert_tickets_zero(workspace, f"context {n}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_paged_decode_block_table_windows(block_size: int) -> None:
+    """Block ids go through shared memory in windows of 128 table entries: one long sequence per CTA (no
+    split) crosses several windows, with a sliding window whose start is not block aligned and a context
+    that ends one token into a new window; the medium-context batch shape (many sequences of 512-640
+    tokens, the throughput workload) in the same call."""
+    lens = [128 * block_size * 3 + 1, 128 * block_size + 1, 5000] + [512 + (37 * s) % 129 for s in range(40)]
+    q, cache, tables, lens_t = make_paged(lens, 32, 8, 128, block_size, torch.bfloat16, "cuda", 19)
+    for window in (0, 1500):
+        want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, 0.1, window)
+        for splits in (0, 1):
+            got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, 0.1, max_seq_len=8192,
+                                                 sliding_window=window, num_splits=splits)
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2,
+                                       msg=lambda m, w=window, k=splits: f"window {w} splits {k}: {m}")
+
+
+@pytest.mark.cuda
+def test_paged_decode_rejects_unaligned_workspace() -> None:
+    q, cache, tables, lens = make_paged([300], 8, 2, 64, 16, torch.bfloat16, "cuda", 20)
+    need = ops.decode_workspace_size(1, 8, 2, 64, 4096)
+    assert need > 0
+    workspace = torch.zeros(need // 4 + 2, device="cuda")[1:]  # 4 bytes past a 16-byte boundary
+    with pytest.raises(kernels.KernelError, match="16-byte aligned"):
+        kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 0.1, max_seq_len=4096,
+                                       workspace=workspace)

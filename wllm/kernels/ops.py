@@ -641,9 +641,10 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     q [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables int32 [S, max_blocks]; seq_lens
     int32 [S] (0 = padding row -> zeros). max_seq_len bounds seq_lens on the host (default: the block
     table's capacity) and sizes the split-KV grid; keep it fixed across CUDA-graph replays. num_splits
-    0 chooses the split automatically. workspace: fp32 of decode_workspace_size(...) bytes, zero-filled
-    before its first use (allocated when None); every call leaves its ticket counters zero again, so one
-    zeroed workspace serves any number of calls, CUDA-graph replays included, on one stream at a time.
+    0 chooses the split automatically. workspace: fp32 of decode_workspace_size(...) bytes, 16-byte
+    aligned (any fresh torch allocation is) and zero-filled before its first use (allocated when None);
+    every call leaves its ticket counters zero again, so one zeroed workspace serves any number of calls,
+    CUDA-graph replays included, on one stream at a time.
     """
     window, cap = int(sliding_window or 0), float(logit_softcap or 0.0)
     if max_seq_len is None:
