@@ -301,7 +301,7 @@ __device__ __forceinline__ float group_sum(float v, unsigned mask) {
 // q, q + groups_total, ... (each row over all of K). Lane l of a group takes 16-byte chunks l, l + G, ...
 // of the row. Shared memory: x [m][k_pad] of T only.
 template <typename T, int PRO, int MAXM, int G>
-__global__ void __launch_bounds__(kRgMaxThreads) gemv_row_group_kernel(const GemvParams<T> p) {
+__global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const GemvParams<T> p) {
   static_assert(G == 8 || G == 16 || G == 32, "lane groups are 8, 16 or 32 lanes");
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kRgMaxThreads) gemv_row_group_kernel(const Gem
   const int first_row = blockIdx.x * groups_per_cta + threadIdx.x / G;
   const int row_step = gridDim.x * groups_per_cta;
   const int chunks = p.k >> 3;
-  const unsigned mask = G == 32 ? 0xffffffffu : ((1u << G) - 1u) << ((threadIdx.x & 31) & ~(G - 1));
+  const unsigned mask = (0xffffffffu >> (32 - G)) << ((threadIdx.x & 31) & ~(G - 1));  // this group's lanes
 
   // Start the first row's first loads moving into L2 while x is staged (no registers held).
   if (first_row < p.n) {
@@ -418,9 +418,13 @@ int launch_row_group(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream
   const size_t smem = static_cast<size_t>(p.m) * p.k_pad * sizeof(T);
   // 512-thread CTAs when few CTAs fit per SM (x fills shared memory, or the activation caps residency
   // below) so that each SM still has ~32 warps of loads in flight; else 256. Halved while the rows would
-  // not give every SM two CTAs: small matrices then spread over all SMs instead of a few full ones.
+  // not give every SM one 512-thread CTA / two smaller ones: small matrices then spread over all SMs
+  // instead of filling a few.
   int threads = (PRO != PROLOGUE_NONE || smem > 64 * 1024) ? kRgMaxThreads : 256;
-  while (threads > 128 && static_cast<int64_t>(p.n) * G < static_cast<int64_t>(dev.sms) * 2 * threads) threads /= 2;
+  while (threads > 128 && static_cast<int64_t>(p.n) * G <
+                              static_cast<int64_t>(dev.sms) * threads * (threads == kRgMaxThreads ? 1 : 2)) {
+    threads /= 2;
+  }
   int per_sm = 0;
   const int status = configure(kernel, threads, smem, &per_sm);
   if (status != WLLM_OK) return status;
