@@ -5,7 +5,9 @@ F.linear, the weight bandwidth ours reaches (bytes of W and bias read once / tim
 H200's 4,232 GB/s copy rate. Every call is replayed from a CUDA graph (as the engine runs decode), over
 enough copies of the weight (>= 256 MB in all) that each call reads it from HBM, not from the 50-60 MB L2,
 as in a real decode step. A second table times the MLP's down projection with the activation fused
-(gemv with silu) against act_and_mul + F.linear (the unfused path) and act_and_mul + gemv.
+(gemv with silu) against act_and_mul + F.linear (the unfused path) and act_and_mul + gemv. A third times
+each kernel variant of gemv (split-K; row-group with lanes per row chosen from K, or forced to 32/16/8)
+so that the automatic choice and the dispatch limits in linear.py / mlp.py can be set from one run.
 
     python benchmarks/kernels_gemv.py [--rows 1 2 4 8] [--dtype bf16|fp16] [--json]
 """
@@ -24,6 +26,7 @@ from wllm.bench.floors import H200
 from wllm.bench.timing import cuda_time_ms
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import reference
+from wllm.kernels.gemv import VARIANTS, gemv_variant
 
 COPY_FLOOR_GBS = H200.bandwidth / 1e9  # measured ceiling (wllm.bench.floors)
 FLUSH_BYTES = 256 << 20  # weights cycled per timing: several times any L2
@@ -50,6 +53,8 @@ def time_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Tens
             return F.linear(x, w, b)
         if variant == "fused":
             return kernels.gemv(x, w, b, "silu")
+        if variant in VARIANTS:
+            return gemv_variant(x, w, b, None, variant)
         if variant == "act+cublas":
             return F.linear(kernels.silu_and_mul(x), w, b)
         return kernels.gemv(kernels.silu_and_mul(x), w, b)  # act+gemv
@@ -125,8 +130,25 @@ def main() -> int:
             fused_results.append({"model": model, "n": n, "k": k, "m": m, "fused_us": fused,
                                   "act_cublas_us": act_cublas, "act_gemv_us": act_gemv, "max_err": err})
         del ws
+
+    names = [v for v in VARIANTS if v != "auto"]
+    print("\ngemv kernel variants, us per call (best marked *; 'of floor' is the best's fraction):")
+    print(f"{'model':<14}{'matrix':<9}{'N x K':>13}{'M':>3}" + "".join(f"{v:>14}" for v in names) + f"{'of floor':>9}")
+    variant_results = []
+    for model, name, n, k, bias, _ in MATRICES:
+        ws, b, nbytes = weights(n, k, bias, dtype)
+        for m in args.rows:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            times = {v: time_us(v, x, ws, b) for v in names}
+            best = min(times, key=times.get)
+            cells = "".join(f"{times[v]:>13.2f}{'*' if v == best else ' '}" for v in names)
+            frac = nbytes / times[best] / 1e3 / COPY_FLOOR_GBS
+            print(f"{model:<14}{name:<9}{f'{n} x {k}':>13}{m:>3}{cells}{frac:>9.1%}")
+            variant_results.append({"model": model, "matrix": name, "n": n, "k": k, "m": m, "us": times})
+        del ws
     if args.json:
-        print(json.dumps({"dtype": args.dtype, "gemv": results, "down_fused": fused_results}))
+        print(json.dumps({"dtype": args.dtype, "gemv": results, "down_fused": fused_results,
+                          "variants": variant_results}))
     return 0
 
 

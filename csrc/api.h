@@ -191,6 +191,9 @@ WLLM_API int WLLM_FN(wllm_sample)(float* logits, int64_t num_rows, int64_t vocab
 // produce it. Strides in elements. Meant for a few rows (decode, 1..16): it reads the weight once per 16
 // rows. Fastest with 16-byte aligned weight and x, in_features and the row strides multiples of 8; any
 // layout works. One row of x must fit in the GPU's shared memory (in_features up to ~24K on every GPU).
+// Bits 8..15 of prologue force a kernel variant (benchmarks, tests; 0 = automatic): 1 = split-K, 2 = row-group
+// (lanes per row from K), 3/4/5 = row-group with 32/16/8 lanes per row; a row-group variant that does not
+// apply (rows > 4, K not a multiple of 8, unaligned) runs split-K.
 WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, const void* bias, int64_t rows,
                                 int64_t out_features, int64_t in_features, int64_t out_row_stride,
                                 int64_t x_row_stride, int64_t weight_row_stride, int prologue, int dtype,

@@ -2,13 +2,17 @@
 // fp16/bf16 in and out, fp32 accumulation. Optionally x is [M, 2K] = [gate | up] and the kernel uses
 // act(gate) * up as its input (the gated MLP's down projection without a separate activation kernel).
 //
-// Decode reads every weight once per step for a handful of tokens, so this is a bandwidth problem: the
-// kernel makes one pass over W with 16-byte loads, keeps U x ROWS loads in flight per thread, and
-// computes all M rows of x from that single read. Work unit ("task") = ROWS consecutive rows of W over
-// the whole of K, done by a group of `wk` warps that split K and reduce through shared memory, so no
-// second (split-K reduce) kernel is needed. x (after the optional activation, rounded to the dtype as
-// the unfused path would) is staged once per CTA in shared memory; CTAs are persistent over tasks so
-// that staging (and the activation math) is paid per CTA, not per task.
+// Decode reads every weight once per step for a handful of tokens, so this is a bandwidth problem: one
+// pass over W with 16-byte loads, many loads in flight per SM, all M rows of x computed from that single
+// read. x (after the optional activation, rounded to the dtype as the unfused path would) is staged once
+// per CTA in shared memory; CTAs are persistent over rows so that staging (and the activation math) is
+// paid per CTA, not per row. Two kernels:
+//  - row-group kernel (M <= 4, aligned 16-byte rows, the decode case): a group of G lanes (8, 16 or 32)
+//    owns one output row over the whole of K, streams it with U independent 16-byte loads per lane in
+//    flight, reduces with shuffles inside the group and writes; no __syncthreads after staging x, so
+//    every warp keeps loads in flight back to back and groups never wait for each other.
+//  - split-K kernel (more rows, odd K, misaligned pointers): ROWS rows of W per task, done by `wk` warps
+//    that split K and reduce through shared memory.
 #include <stdint.h>
 
 #include "common.cuh"
@@ -17,6 +21,18 @@ namespace WLLM_NS {
 namespace {
 
 enum GemvPrologue { PROLOGUE_NONE = 0, PROLOGUE_SILU_AND_MUL = 1, PROLOGUE_GELU_TANH_AND_MUL = 2 };
+
+// Kernel choice, bits 8..15 of the prologue argument (benchmarks and tests; 0 = automatic). A forced
+// row-group variant that does not apply (rows > 4, unaligned or odd K) falls back to the split-K kernel.
+enum GemvVariant {
+  VARIANT_AUTO = 0,
+  VARIANT_SPLIT_K = 1,
+  VARIANT_ROW_GROUP = 2,  // row-group kernel, lanes per row chosen from K
+  VARIANT_ROW_GROUP_32 = 3,
+  VARIANT_ROW_GROUP_16 = 4,
+  VARIANT_ROW_GROUP_8 = 5,
+  VARIANT_LAST = VARIANT_ROW_GROUP_8
+};
 
 constexpr int kRows = 2;      // rows of W per task
 constexpr int kUnroll = 4;    // chunks per lane loaded before any is used (loads in flight = kUnroll * kRows)
@@ -99,6 +115,9 @@ __device__ __forceinline__ void stage_x(T* xs, const GemvParams<T>& p) {
   if (p.x_vec) {
     const int per_row = p.k / 8;
     const int total = p.m * per_row;
+    // Unrolled so that several loads of x are in flight at once: staging sits on the critical path
+    // before any weight is used (the first weights are only prefetched into L2 meanwhile).
+#pragma unroll 4
     for (int i = threadIdx.x; i < total; i += blockDim.x) {
       const int r = i / per_row;
       const int c = (i - r * per_row) * 8;
@@ -262,6 +281,96 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParam
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Row-group kernel (M <= MAXM <= 4, 16-byte aligned rows of W, K a multiple of 8).
+// ---------------------------------------------------------------------------------------------------
+
+constexpr int kRgMaxThreads = 512;  // CTA of 128, 256 or 512 threads (chosen by the launcher)
+constexpr int kRgUnroll = 8;        // 16-byte loads per lane in flight (one row: U * 16 B per lane)
+
+// Sum over the G lanes of this lane's group (aligned runs of G lanes in the warp); every lane of the
+// group gets the sum. The mask names only the group, so groups of one warp may diverge in trip count.
+template <int G>
+__device__ __forceinline__ float group_sum(float v, unsigned mask) {
+#pragma unroll
+  for (int offset = G / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(mask, v, offset, G);
+  return v;
+}
+
+// Grid: persistent CTAs; lanes [g * G, (g + 1) * G) of the CTA form group g. Global group q takes rows
+// q, q + groups_total, ... (each row over all of K). Lane l of a group takes 16-byte chunks l, l + G, ...
+// of the row. Shared memory: x [m][k_pad] of T only.
+template <typename T, int PRO, int MAXM, int G>
+__global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const GemvParams<T> p) {
+  static_assert(G == 8 || G == 16 || G == 32, "lane groups are 8, 16 or 32 lanes");
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* xs = reinterpret_cast<T*>(smem);
+
+  const int lane = threadIdx.x & (G - 1);
+  const int groups_per_cta = blockDim.x / G;
+  const int first_row = blockIdx.x * groups_per_cta + threadIdx.x / G;
+  const int row_step = gridDim.x * groups_per_cta;
+  const int chunks = p.k >> 3;
+  const unsigned mask = (0xffffffffu >> (32 - G)) << ((threadIdx.x & 31) & ~(G - 1));  // this group's lanes
+
+  // Start the first row's first loads moving into L2 while x is staged (no registers held).
+  if (first_row < p.n) {
+    const T* row = p.w + static_cast<int64_t>(first_row) * p.ldw;
+#pragma unroll
+    for (int u = 0; u < kRgUnroll; ++u) {
+      const int c = u * G + lane;
+      if (c < chunks) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + static_cast<int64_t>(c) * 8));
+    }
+  }
+  stage_x<T, PRO>(xs, p);
+  __syncthreads();  // the only barrier: from here on each group runs on its own
+
+  // The trip count is uniform over a group (the shuffles below name only the group's lanes).
+  for (int n = first_row; n < p.n; n += row_step) {
+    const T* row = p.w + static_cast<int64_t>(n) * p.ldw;
+    float acc[MAXM];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) acc[m] = 0.0f;
+    // Uniform over the group; lanes past the end of K are masked per chunk.
+    for (int c0 = 0; c0 < chunks; c0 += G * kRgUnroll) {
+      Pack<T, 8> wv[kRgUnroll];
+#pragma unroll
+      for (int u = 0; u < kRgUnroll; ++u) {
+        const int c = c0 + u * G + lane;
+        if (c < chunks) wv[u].load_weight(row + static_cast<int64_t>(c) * 8);
+      }
+#pragma unroll
+      for (int u = 0; u < kRgUnroll; ++u) {
+        const int c = c0 + u * G + lane;
+        if (c < chunks) {
+          float wf[8];
+          wv[u].to_float(wf);
+#pragma unroll
+          for (int m = 0; m < MAXM; ++m) {
+            if (m < p.m) {
+              Pack<T, 8> xv;
+              xv.load_shared(xs + m * p.k_pad + c * 8);
+              float xf[8];
+              xv.to_float(xf);
+#pragma unroll
+              for (int j = 0; j < 8; ++j) acc[m] = fmaf(wf[j], xf[j], acc[m]);
+            }
+          }
+        }
+      }
+    }
+    // Lane m of the group writes row m of x's result (MAXM <= 4 <= G).
+    const float b = (p.bias != nullptr && lane < p.m) ? Conv<T>::to_float(p.bias[n]) : 0.0f;
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) {
+      if (m < p.m) {  // uniform: every lane of the group joins the shuffles
+        const float s = group_sum<G>(acc[m], mask);
+        if (lane == m) p.out[m * p.ldo + n] = Conv<T>::from_float(s + b);
+      }
+    }
+  }
+}
+
 struct DeviceInfo {
   int sms;
   int max_smem;  // opt-in shared memory per block, bytes
@@ -283,7 +392,64 @@ size_t smem_bytes(int m, int k_pad, int elem, int warps, int maxm) {
   return x_bytes + static_cast<size_t>(2) * warps * maxm * kRows * sizeof(float);
 }
 
-// Chooses warps per task and CTA size, reserves shared memory, sizes the persistent grid, launches.
+// Reserves `smem` bytes of dynamic shared memory for `kernel` and returns how many CTAs of `threads`
+// threads fit per SM (at least 1), or an error code (negative per_sm never escapes).
+template <typename Kernel>
+int configure(Kernel kernel, int threads, size_t smem, int* per_sm) {
+  cudaError_t err = cudaSuccess;
+  if (smem > 48 * 1024) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per_sm, kernel, threads, smem);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it so later launches start clean
+    return fail(err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction
+                    ? WLLM_ERR_NO_KERNEL_IMAGE
+                    : WLLM_ERR_CUDA,
+                "gemv: cannot configure the kernel (%zu bytes of shared memory): %s", smem, cudaGetErrorString(err));
+  }
+  if (*per_sm < 1) *per_sm = 1;
+  return WLLM_OK;
+}
+
+// Row-group kernel: chooses the CTA size, sizes a persistent grid that gives every CTA the same number
+// of rows, launches.
+template <typename T, int PRO, int MAXM, int G>
+int launch_row_group(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
+  auto kernel = gemv_row_group_kernel<T, PRO, MAXM, G>;
+  const size_t smem = static_cast<size_t>(p.m) * p.k_pad * sizeof(T);
+  // 512-thread CTAs when few CTAs fit per SM (x fills shared memory, or the activation caps residency
+  // below) so that each SM still has ~32 warps of loads in flight; else 256. Halved while the rows would
+  // not give every SM one 512-thread CTA / two smaller ones: small matrices then spread over all SMs
+  // instead of filling a few.
+  int threads = (PRO != PROLOGUE_NONE || smem > 64 * 1024) ? kRgMaxThreads : 256;
+  while (threads > 128 && static_cast<int64_t>(p.n) * G <
+                              static_cast<int64_t>(dev.sms) * threads * (threads == kRgMaxThreads ? 1 : 2)) {
+    threads /= 2;
+  }
+  int per_sm = 0;
+  const int status = configure(kernel, threads, smem, &per_sm);
+  if (status != WLLM_OK) return status;
+  // Each resident CTA recomputes act(gate) * up for all of K (two special-function ops per element,
+  // 16 per clock per SM): fewer, longer-lived CTAs keep that redundant work small.
+  if (PRO != PROLOGUE_NONE && per_sm > 2) per_sm = 2;
+  const int rows_per_cta = threads / G;
+  const int64_t blocks = (p.n + rows_per_cta - 1) / rows_per_cta;
+  const int64_t resident = static_cast<int64_t>(dev.sms) * per_sm;
+  // As many rounds as the resident CTAs need, then as few CTAs as cover the rows in that many rounds:
+  // every group gets the same number of rows (no CTA runs a lone extra round) and x is staged fewer times.
+  const int64_t rounds = (blocks + resident - 1) / resident;
+  const int grid = static_cast<int>((blocks + rounds - 1) / rounds);
+  kernel<<<grid, threads, smem, stream>>>(p);
+  return check_launch("gemv");
+}
+
+template <typename T, int PRO, int MAXM>
+int launch_row_group_lanes(GemvParams<T> p, int lanes, const DeviceInfo& dev, cudaStream_t stream) {
+  if (lanes == 32) return launch_row_group<T, PRO, MAXM, 32>(p, dev, stream);
+  if (lanes == 16) return launch_row_group<T, PRO, MAXM, 16>(p, dev, stream);
+  return launch_row_group<T, PRO, MAXM, 8>(p, dev, stream);
+}
+
+// Split-K kernel: chooses warps per task and CTA size, reserves shared memory, sizes the persistent grid, launches.
 template <typename T, int PRO, int MAXM, int VEC>
 int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
   auto kernel = gemv_kernel<T, PRO, MAXM, VEC>;
@@ -301,18 +467,9 @@ int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
   p.wk = wk;
   const int groups = warps / wk;
   const size_t smem = smem_bytes(p.m, p.k_pad, sizeof(T), warps, MAXM);
-  cudaError_t err = cudaSuccess;
-  if (smem > 48 * 1024) err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   int per_sm = 0;
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, warps * 32, smem);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // not sticky: clear it so later launches start clean
-    return fail(err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction
-                    ? WLLM_ERR_NO_KERNEL_IMAGE
-                    : WLLM_ERR_CUDA,
-                "gemv: cannot configure the kernel (%zu bytes of shared memory): %s", smem, cudaGetErrorString(err));
-  }
-  if (per_sm < 1) per_sm = 1;
+  const int status = configure(kernel, warps * 32, smem, &per_sm);
+  if (status != WLLM_OK) return status;
   // Each resident CTA recomputes act(gate) * up for all of K (two special-function ops per element,
   // 16 per clock per SM): fewer, longer-lived CTAs keep that redundant work small.
   if (PRO != PROLOGUE_NONE && per_sm > 2) per_sm = 2;
@@ -324,7 +481,18 @@ int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
 }
 
 template <typename T, int PRO>
-int launch_rows(GemvParams<T> p, bool vec, const DeviceInfo& dev, cudaStream_t stream) {
+int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceInfo& dev, cudaStream_t stream) {
+  if (vec && p.m <= 4 && variant != VARIANT_SPLIT_K) {
+    // Lanes per row: each lane should still issue several 16-byte loads per row (K = 896: 16 lanes, 7
+    // loads each), and long rows use whole warps (fewer, longer streams; fewer shuffles per byte).
+    int lanes = p.k >= 2048 ? 32 : (p.k >= 512 ? 16 : 8);
+    if (variant == VARIANT_ROW_GROUP_32) lanes = 32;
+    if (variant == VARIANT_ROW_GROUP_16) lanes = 16;
+    if (variant == VARIANT_ROW_GROUP_8) lanes = 8;
+    if (p.m <= 1) return launch_row_group_lanes<T, PRO, 1>(p, lanes, dev, stream);
+    if (p.m <= 2) return launch_row_group_lanes<T, PRO, 2>(p, lanes, dev, stream);
+    return launch_row_group_lanes<T, PRO, 4>(p, lanes, dev, stream);
+  }
   if (!vec) return launch<T, PRO, 16, 1>(p, dev, stream);
   if (p.m <= 1) return launch<T, PRO, 1, 8>(p, dev, stream);
   if (p.m <= 2) return launch<T, PRO, 2, 8>(p, dev, stream);
@@ -335,7 +503,7 @@ int launch_rows(GemvParams<T> p, bool vec, const DeviceInfo& dev, cudaStream_t s
 
 template <typename T>
 int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n, int64_t k, int64_t ldo,
-             int64_t ldx, int64_t ldw, int prologue, cudaStream_t stream) {
+             int64_t ldx, int64_t ldw, int prologue, int variant, cudaStream_t stream) {
   DeviceInfo dev;
   int status = device_info(&dev);
   if (status != WLLM_OK) return status;
@@ -371,13 +539,13 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
     p.x_vec = x_vec ? 1 : 0;
     switch (prologue) {
       case PROLOGUE_NONE:
-        status = launch_rows<T, PROLOGUE_NONE>(p, vec, dev, stream);
+        status = launch_rows<T, PROLOGUE_NONE>(p, vec, variant, dev, stream);
         break;
       case PROLOGUE_SILU_AND_MUL:
-        status = launch_rows<T, PROLOGUE_SILU_AND_MUL>(p, vec, dev, stream);
+        status = launch_rows<T, PROLOGUE_SILU_AND_MUL>(p, vec, variant, dev, stream);
         break;
       default:
-        status = launch_rows<T, PROLOGUE_GELU_TANH_AND_MUL>(p, vec, dev, stream);
+        status = launch_rows<T, PROLOGUE_GELU_TANH_AND_MUL>(p, vec, variant, dev, stream);
         break;
     }
     if (status != WLLM_OK) return status;
@@ -398,9 +566,15 @@ WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, co
     return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv: bad shape rows=%lld out_features=%lld in_features=%lld",
                 (long long)rows, (long long)out_features, (long long)in_features);
   }
-  if (prologue < PROLOGUE_NONE || prologue > PROLOGUE_GELU_TANH_AND_MUL) {
+  // Bits 0..7: the activation; bits 8..15: the kernel variant (0 = automatic).
+  const int variant = (prologue >> 8) & 0xff;
+  const int flags = prologue;
+  prologue &= 0xff;
+  if (flags < 0 || (flags >> 16) != 0 || prologue > PROLOGUE_GELU_TANH_AND_MUL || variant > VARIANT_LAST) {
     return fail(WLLM_ERR_INVALID_ARGUMENT,
-                "gemv: unknown prologue %d (0 = none, 1 = silu_and_mul, 2 = gelu_tanh_and_mul)", prologue);
+                "gemv: unknown prologue %d (bits 0-7: 0 = none, 1 = silu_and_mul, 2 = gelu_tanh_and_mul; bits "
+                "8-15: kernel variant 0..%d)",
+                flags, (int)VARIANT_LAST);
   }
   const int64_t x_width = prologue == PROLOGUE_NONE ? in_features : 2 * in_features;
   if (weight_row_stride < in_features || (rows > 1 && (x_row_stride < x_width || out_row_stride < out_features))) {
@@ -419,10 +593,10 @@ WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, co
   if (dtype == WLLM_FLOAT16) {
     return run_gemv<__half>(static_cast<__half*>(out), static_cast<const __half*>(x), static_cast<const __half*>(weight),
                             static_cast<const __half*>(bias), rows, out_features, in_features, out_row_stride,
-                            x_row_stride, weight_row_stride, prologue, s);
+                            x_row_stride, weight_row_stride, prologue, variant, s);
   }
   return run_gemv<__nv_bfloat16>(static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(x),
                                  static_cast<const __nv_bfloat16*>(weight), static_cast<const __nv_bfloat16*>(bias),
                                  rows, out_features, in_features, out_row_stride, x_row_stride, weight_row_stride,
-                                 prologue, s);
+                                 prologue, variant, s);
 }

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from wllm import kernels
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import reference
+from wllm.kernels.gemv import VARIANTS, gemv_variant
 from wllm.model.layers import linear as linear_module
 from wllm.model.layers import mlp as mlp_module
 from wllm.model.layers.linear import GEMV_MAX_ROWS, Linear
@@ -117,6 +118,15 @@ def test_errors(case: str, match: str) -> None:
         kernels.gemv(x, w, b, activation)
 
 
+def test_variant_names() -> None:
+    """A forced kernel variant is checked by name; on the CPU every variant is the reference."""
+    x, w, b = make(2, 9, 40, torch.bfloat16, None, True)
+    with pytest.raises(ValueError, match="unknown variant 'row_group_4'"):
+        gemv_variant(x, w, b, None, "row_group_4")
+    for variant in VARIANTS:
+        torch.testing.assert_close(gemv_variant(x, w, b, None, variant), reference.gemv(x, w, b), rtol=0, atol=0)
+
+
 def test_linear_stays_on_pytorch_on_cpu() -> None:
     """The skinny path is CUDA-only: a CPU Linear is exactly F.linear."""
     layer = Linear(16, 5, bias=True).to(torch.bfloat16)
@@ -154,11 +164,27 @@ def test_gemv_matches_reference(dtype, k, n, m, activation) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("m,n,k", [(1, 28672, 4096), (4, 28672, 4096), (2, 4096, 14336), (8, 896, 4864),
-                                   (3, 9728, 896), (40, 300, 512), (2, 50000, 896)])
+@pytest.mark.parametrize("variant", ["split_k", "row_group_32", "row_group_16", "row_group_8"])
+@pytest.mark.parametrize("k", [72, 200, 896, 4096, 4864, 14336])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_each_variant(dtype, activation, variant, k, m) -> None:
+    """Every kernel and lane-group size on the decode K's (and short rows where lanes get 1-2 chunks or
+    none), odd N, 1-4 rows of x: each matches the reference."""
+    n = 1153 if k <= 4864 else 257
+    x, w, b = make(m, n, k, dtype, activation, (m + k) % 2 == 0, device="cuda", seed=m * 100 + k)
+    torch.testing.assert_close(gemv_variant(x, w, b, activation, variant), reference.gemv(x, w, b, activation),
+                               rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,n,k", [(1, 28672, 4096), (2, 6144, 4096), (1, 4096, 14336), (2, 9728, 896),
+                                   (4, 28672, 4096), (2, 4096, 14336), (8, 896, 4864), (3, 9728, 896),
+                                   (40, 300, 512), (2, 50000, 896)])
 def test_gemv_large_and_many_rows(dtype, activation, m, n, k) -> None:
-    """Many tasks per persistent CTA (the reduction buffers alternate), long K split over 8 warps,
-    more than 16 rows (several passes over W)."""
+    """Many rows per persistent CTA (row-group kernel, several rounds; split-K: the reduction buffers
+    alternate), long K split over 8 warps, more than 16 rows (several passes over W)."""
     x, w, b = make(m, n, k, dtype, activation, True, device="cuda", seed=7)
     torch.testing.assert_close(kernels.gemv(x, w, b, activation), reference.gemv(x, w, b, activation),
                                rtol=TOL[dtype][0], atol=TOL[dtype][1])
@@ -168,9 +194,11 @@ def test_gemv_large_and_many_rows(dtype, activation, m, n, k) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("layout", ["row_stride", "misaligned_x", "misaligned_weight", "odd_k", "batch_dims"])
-def test_gemv_layouts(dtype, activation, layout) -> None:
-    """Strided rows of x, x and W off 16-byte boundaries, K not a multiple of 8 (the scalar paths)."""
-    m, n, k = 5, 131, 13 if layout == "odd_k" else 264
+@pytest.mark.parametrize("m", [2, 5])
+def test_gemv_layouts(dtype, activation, layout, m) -> None:
+    """Strided rows of x, x and W off 16-byte boundaries, K not a multiple of 8 (the scalar paths), with
+    2 rows (row-group kernel where W allows it) and 5 (split-K)."""
+    n, k = 131, 13 if layout == "odd_k" else 264
     x, w, b = make(m, n, k, dtype, activation, True, device="cuda", seed=3)
     width = x.shape[1]
     if layout == "row_stride":
@@ -205,10 +233,12 @@ def test_gemv_empty_rows_and_cuda_errors() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("m,n,k", [(1, 1152, 896), (4, 896, 4864), (8, 1153, 200), (4, 1000, 14336)])
+@pytest.mark.parametrize("m,n,k", [(1, 1152, 896), (4, 896, 4864), (8, 1153, 200), (4, 1000, 14336),
+                                   (2, 6144, 4096), (1, 4096, 14336)])
 def test_gemv_inside_cuda_graph(activation, m, n, k) -> None:
     """Captured once, replayed with new inputs in the same buffers: each replay matches the reference.
-    (4, 1000, 14336) stages 112 KiB of x: the shared-memory opt-in happens during capture."""
+    (4, 1000, 14336) stages 112 KiB of x: the shared-memory opt-in happens during capture. Up to 4 rows
+    run the row-group kernel, 8 the split-K one."""
     x, w, b = make(m, n, k, torch.bfloat16, activation, True, device="cuda", seed=11)
     graph, out = capture_graph(lambda: kernels.gemv(x, w, b, activation))
     for trial in range(3):

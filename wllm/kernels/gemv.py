@@ -21,6 +21,10 @@ from wllm.kernels.ops import _is_compiling, _stream
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 # Prologue codes of wllm_gemv: 0 = none, 1 = SiLU-and-mul, 2 = tanh-GELU-and-mul.
 PROLOGUES = {None: 0, "silu": 1, "gelu_tanh": 2}
+# Kernel choice (bits 8..15 of wllm_gemv's prologue argument), for benchmarks and tests: "auto" picks the
+# row-group kernel (a group of 8/16/32 lanes per output row, no barriers) for up to 4 rows of 16-byte
+# aligned data and the split-K kernel otherwise; a forced row-group variant that does not apply falls back.
+VARIANTS = {"auto": 0, "split_k": 1, "row_group": 2, "row_group_32": 3, "row_group_16": 4, "row_group_8": 5}
 # Longest row of x (after the activation) any GPU holds in shared memory: 48 KiB of fp16/bf16.
 GEMV_MAX_IN_FEATURES = 24576
 
@@ -54,7 +58,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
 
 
 def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               activation: str | None) -> torch.Tensor:
+               activation: str | None, variant: int = 0) -> torch.Tensor:
     width = _check(x, weight, bias, activation)
     out_features, in_features = weight.shape
     out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
@@ -73,7 +77,8 @@ def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     lib = _lib.binding(x.device.index or 0)
     lib.check(lib.wllm_gemv(out.data_ptr(), x2.data_ptr(), weight.data_ptr(),
                             bias.data_ptr() if bias is not None else None, x2.shape[0], out_features, in_features,
-                            out_features, x_stride, weight.stride(0), PROLOGUES[activation], _DTYPES[x.dtype],
+                            out_features, x_stride, weight.stride(0), PROLOGUES[activation] | (variant << 8),
+                            _DTYPES[x.dtype],
                             _stream(x)),
               "gemv")
     return out
@@ -106,3 +111,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if _is_compiling():
         return gemv_op(x, weight, bias, activation)
     return _cuda_gemv(x, weight, bias, activation)
+
+
+def gemv_variant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 activation: str | None = None, variant: str = "auto") -> torch.Tensor:
+    """`gemv` with the CUDA kernel forced to one of VARIANTS (benchmarks and tests compare them);
+    on the CPU it is `gemv`. Raises ValueError for an unknown variant."""
+    if variant not in VARIANTS:
+        raise ValueError(f"gemv: unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    if not x.is_cuda:
+        return gemv(x, weight, bias, activation)
+    return _cuda_gemv(x, weight, bias, activation, VARIANTS[variant])
