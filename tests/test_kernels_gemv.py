@@ -286,3 +286,16 @@ def test_gated_mlp_fuses_activation_into_down_projection(act: str, rows: int, mo
     want = (hidden.float() @ mlp.down_proj.weight.float().t()).to(x.dtype)
     torch.testing.assert_close(mlp(x), want, rtol=3e-2, atol=3e-2)
     assert fused == ([mlp.fused_act] if rows <= GEMV_MAX_FUSED_ROWS else [])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("in_f,out_f,rows,expect", [
+    (896, 1152, 2, True),  # small weight: up to GEMV_MAX_ROWS rows
+    (896, 9728, 1, False),  # 17 MB with a short K: cuBLAS measured faster
+    (4096, 4096, 1, True),  # wide K, one row
+    (4096, 4096, 2, False),  # wide K, two rows: cuBLAS
+])
+def test_linear_gemv_dispatch_follows_the_measurements(in_f: int, out_f: int, rows: int, expect: bool) -> None:
+    layer = Linear(in_f, out_f).to("cuda", torch.bfloat16)
+    x = torch.zeros(rows, in_f, device="cuda", dtype=torch.bfloat16)
+    assert layer.use_gemv(x) is expect

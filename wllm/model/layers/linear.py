@@ -13,12 +13,15 @@ from wllm.kernels import available as kernels_available
 from wllm.kernels import gemv
 from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 
-# Up to this many rows of x (decode batches) and this many weight bytes, CUDA fp16/bf16 linears
-# use the skinny-GEMM kernel instead of cuBLAS. Measured on the H200 (benchmarks/kernels_gemv.py,
-# RESULTS.md): it wins on matrices up to ~9 MB at 1-2 rows (1.1-1.5x: Qwen2.5-0.5B's qkv, o, down),
-# ties or loses on larger ones (cuBLAS reaches 85-96% of bandwidth there) and loses from 4 rows on.
+# Which decode matmuls take the skinny-GEMM kernel instead of cuBLAS, from the H200 measurements
+# (benchmarks/kernels_gemv.py, RESULTS.md): up to GEMV_MAX_ROWS rows when the weight is at most
+# GEMV_SMALL_WEIGHT_BYTES (Qwen2.5-0.5B's qkv, o, down: 1.1-1.5x at 1-2 rows), and one row when K is
+# at least GEMV_WIDE_MIN_K and the weight at most GEMV_MAX_WEIGHT_BYTES (Llama-3.1-8B's qkv, o, down:
+# 1.03-1.16x). Elsewhere cuBLAS ties or wins (e.g. 17 MB with K = 896, anything at 4+ rows).
 GEMV_MAX_ROWS = 2
-GEMV_MAX_WEIGHT_BYTES = 12 << 20
+GEMV_SMALL_WEIGHT_BYTES = 12 << 20
+GEMV_WIDE_MIN_K = 2048
+GEMV_MAX_WEIGHT_BYTES = 128 << 20
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -75,10 +78,12 @@ class Linear(nn.Module):
         """True when x (rows of `width` elements, in_features by default) should go through the
         skinny-GEMM kernel: CUDA, fp16/bf16 like the weight, at most GEMV_MAX_ROWS rows, kernels present."""
         width = self.in_features if width is None else width
-        return (x.is_cuda and x.dtype in _GEMV_DTYPES and self.weight.dtype == x.dtype and x.shape[-1] == width
-                and 0 < x.numel() <= GEMV_MAX_ROWS * width and self.in_features <= GEMV_MAX_IN_FEATURES
-                and self.weight.numel() * self.weight.element_size() <= GEMV_MAX_WEIGHT_BYTES
-                and kernels_available(x.device.index or 0))
+        if not (x.is_cuda and x.dtype in _GEMV_DTYPES and self.weight.dtype == x.dtype and x.shape[-1] == width
+                and 0 < x.numel() <= GEMV_MAX_ROWS * width and self.in_features <= GEMV_MAX_IN_FEATURES):
+            return False
+        nbytes = self.weight.numel() * self.weight.element_size()
+        wide_one_row = x.numel() == width and self.in_features >= GEMV_WIDE_MIN_K and nbytes <= GEMV_MAX_WEIGHT_BYTES
+        return (nbytes <= GEMV_SMALL_WEIGHT_BYTES or wide_one_row) and kernels_available(x.device.index or 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_gemv(x):
