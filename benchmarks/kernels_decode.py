@@ -25,7 +25,7 @@ import torch
 
 from wllm import kernels
 from wllm.bench.floors import H200
-from wllm.bench.timing import cuda_time_ms
+from wllm.bench.timing import bench_dtype, cuda_time_ms, kernel_bench_args
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import ops, reference
 
@@ -53,13 +53,9 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=128256, help="vocabulary for the sampler row")
     parser.add_argument("--intermediate", type=int, default=14336, help="MLP width for the SiLU-and-mul row")
     parser.add_argument("--layers", type=int, default=24, help="calls per graph in the latency table")
-    parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or not kernels.available():
-        raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
+    args = kernel_bench_args(parser)
 
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    dtype = bench_dtype(args.dtype)
     b, ctx, hq, hkv, d, bs = args.batch, args.context, args.heads, args.kv_heads, args.head_size, args.block_size
     blocks_per_seq = (ctx + bs - 1) // bs
     num_blocks = b * blocks_per_seq

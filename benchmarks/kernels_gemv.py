@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from wllm import kernels
 from wllm.bench.floors import H200
-from wllm.bench.timing import cuda_time_ms
+from wllm.bench.timing import bench_dtype, cuda_time_ms, kernel_bench_args
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import reference
 from wllm.kernels.gemv import VARIANTS, gemv_variant
@@ -78,12 +78,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="rows of x (decode batch)")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or not kernels.available():
-        raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    args = kernel_bench_args(parser)
+    dtype = bench_dtype(args.dtype)
 
     print(f"skinny GEMM vs cuBLAS (F.linear), {args.dtype}, CUDA graphs, weights cycled through "
           f"{FLUSH_BYTES >> 20} MB (read from HBM); floor = weight bytes / {COPY_FLOOR_GBS:,.0f} GB/s")

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from wllm import kernels
 from wllm.bench.floors import H200
-from wllm.bench.timing import cuda_time_ms
+from wllm.bench.timing import bench_dtype, cuda_time_ms, kernel_bench_args
 
 MATMUL_FLOOR_TFLOPS = H200.flops / 1e12  # measured ceiling (wllm.bench.floors)
 
@@ -62,13 +62,9 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     parser.add_argument("--scatter", action="store_true", help="shuffle the block table")
-    parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or not kernels.available():
-        raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
+    args = kernel_bench_args(parser)
 
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    dtype = bench_dtype(args.dtype)
     dev = "cuda"
     n, pre, s, hq, hkv, d, bs = args.tokens, args.prefix, args.seqs, args.heads, args.kv_heads, args.head_size, \
         args.block_size

@@ -20,7 +20,7 @@ import torch
 
 from wllm import kernels
 from wllm.bench.floors import H200
-from wllm.bench.timing import cuda_time_ms
+from wllm.bench.timing import cuda_time_ms, kernel_bench_args
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import reference
 
@@ -69,11 +69,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--layers", type=int, default=32, help="calls per captured graph (one per layer)")
-    parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or not kernels.available():
-        raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
-    torch.manual_seed(0)
+    args = kernel_bench_args(parser)
     rows = [case(name, t, args.layers) for name in SHAPES for t in args.tokens]
     print(f"rotary + KV-cache write per layer, bf16, CUDA graph of {args.layers} calls; floor = bytes at "
           f"{H200.bandwidth / 1e9:,.0f} GB/s")

@@ -18,7 +18,7 @@ import torch
 
 from wllm import kernels
 from wllm.bench.floors import H200
-from wllm.bench.timing import cuda_time_ms
+from wllm.bench.timing import cuda_time_ms, kernel_bench_args
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import ops, reference
 from wllm.sampling_params import SamplingParams
@@ -46,11 +46,7 @@ def time_in_graph_us(fn, calls: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20, help="sampler calls per captured graph")
-    parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or not kernels.available():
-        raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
-    torch.manual_seed(0)
+    args = kernel_bench_args(parser)
     results = []
     print(f"sampler, fp32 logits, us per call in a CUDA graph ({args.calls} calls per graph); floor = one read "
           f"at {H200.bandwidth / 1e9:,.0f} GB/s")

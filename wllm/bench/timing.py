@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
 
@@ -22,3 +23,21 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> 
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def kernel_bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """Add --json, parse, and make sure the GPU and the kernel library are there (exit with a clear
+    message otherwise); seeds torch. Shared by the benchmarks/kernels_*.py scripts."""
+    from wllm import kernels
+
+    parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not kernels.available():
+        raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
+    torch.manual_seed(0)
+    return args
+
+
+def bench_dtype(name: str) -> torch.dtype:
+    """"bf16" or "fp16" (the kernel benchmarks' --dtype) as a torch dtype."""
+    return torch.bfloat16 if name == "bf16" else torch.float16
