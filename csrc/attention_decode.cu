@@ -328,9 +328,9 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
   {
     const int t_new = (newest - begin) / TT;  // tile of the newest row when this CTA covers it
     if (newest >= begin && newest < end && t_new < S - 1 && (int)threadIdx.x < TL::CPR) {
-      // One 16-byte chunk of its K and V rows per thread, a plain load from L2 (the other CTAs only ever
-      // read K/V through cp.async.cg, so no stale L1 line can exist) stored straight into the prologue
-      // stage; the __syncthreads at the top of the tile loop publishes it with the cp.async data.
+      // One 16-byte chunk of its K and V rows per thread, an L2 load (__ldcg, like cp.async.cg) stored
+      // straight into its prologue stage; the __syncthreads at the top of the tile loop publishes it
+      // together with the cp.async data.
       constexpr int kPerChunk = 16 / (int)sizeof(T);
       const int r = (newest >> p.block_shift) - tb0;
       const int id = s_ids[(r >> kIdWindowShift) & 1][r & (kIdWindow - 1)];
