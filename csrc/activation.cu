@@ -19,6 +19,9 @@ __device__ __forceinline__ float gated(float g, float u) {
 template <typename T, int ACT, int VEC>
 __global__ void act_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t inter,
                                    int64_t out_stride, int64_t x_stride) {
+  // Everything this kernel reads is the previous kernel's output: nothing to do before the wait.
+  pdl_wait();
+  pdl_launch_dependents();
   const T* gate = x + blockIdx.x * x_stride;
   const T* up = gate + inter;
   T* dst = out + blockIdx.x * out_stride;
@@ -50,9 +53,10 @@ static void launch_act(T* out, const T* x, int64_t rows, int64_t inter, int64_t 
   if (chunks > 65535) chunks = 65535;
   const dim3 grid((unsigned)rows, (unsigned)chunks);
   if (wide) {
-    act_and_mul_kernel<T, ACT, 16 / sizeof(T)><<<grid, threads, 0, s>>>(out, x, inter, out_stride, x_stride);
+    launch_pdl(act_and_mul_kernel<T, ACT, 16 / sizeof(T)>, grid, dim3(threads), 0, s, out, x, inter, out_stride,
+               x_stride);
   } else {
-    act_and_mul_kernel<T, ACT, 1><<<grid, threads, 0, s>>>(out, x, inter, out_stride, x_stride);
+    launch_pdl(act_and_mul_kernel<T, ACT, 1>, grid, dim3(threads), 0, s, out, x, inter, out_stride, x_stride);
   }
 }
 

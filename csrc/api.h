@@ -42,6 +42,14 @@ WLLM_API const char* WLLM_FN(wllm_last_error)(void);
 // the SASS was prebuilt for this SM) to *ptx_version.
 WLLM_API int WLLM_FN(wllm_device_check)(int device, int* binary_sm, int* ptx_version);
 
+// Programmatic Dependent Launch (sm_90+): the decode-path kernels (rms_norm, fused_add_rms_norm,
+// rotary_and_cache, paged_decode_attention, act_and_mul, gemv) are launched so that each may start
+// its independent prologue while the kernel before it finishes. On by default; WLLM_PDL=0 in the
+// environment (read at the first launch) or wllm_set_pdl(0) turns it off; results are identical
+// either way. Returns the previous setting (0 or 1). Affects launches made after the call, so a CUDA
+// graph keeps the setting it was captured with.
+WLLM_API int WLLM_FN(wllm_set_pdl)(int enable);
+
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (weight + weight_offset), in fp32.
 WLLM_API int WLLM_FN(wllm_rms_norm)(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden,
                            int64_t out_row_stride, int64_t x_row_stride, float eps, float weight_offset,

@@ -210,10 +210,11 @@ __device__ __forceinline__ int load_window(const int32_t* table, int tb0, int tb
 
 // Issues the cp.async copies of one K/V tile: chunk c = threadIdx.x + i * kThreads of the tile is
 // row c / CPR, 16-byte column c % CPR; the row's block id comes from the shared-memory window slots.
+// The row of position skip_pos (-1: none) is left out (see the PDL note in the kernel).
 template <typename T, int D, int GQ>
 __device__ __forceinline__ void issue_tile(unsigned char* stage, const T* k_cache, const T* v_cache,
                                            const int (*ids)[kIdWindow], int tb0, int tile0, int end,
-                                           const Params& p, int block_mask) {
+                                           const Params& p, int block_mask, int skip_pos) {
   using TL = Tiling<T, D, GQ>;
   constexpr int kPerChunk = 16 / (int)sizeof(T);
 #pragma unroll
@@ -221,7 +222,7 @@ __device__ __forceinline__ void issue_tile(unsigned char* stage, const T* k_cach
     const int c = threadIdx.x + i * kThreads;
     const int row = c / TL::CPR, col = c - row * TL::CPR;
     const int pos = tile0 + row;
-    if (c < TL::TT * TL::CPR && pos < end) {
+    if (c < TL::TT * TL::CPR && pos < end && pos != skip_pos) {
       const int r = (pos >> p.block_shift) - tb0;
       const int id = ids[(r >> kIdWindowShift) & 1][r & (kIdWindow - 1)];
       const int64_t off = (int64_t)id * p.block_stride + (int64_t)(pos & block_mask) * p.token_stride +
@@ -262,10 +263,18 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
   const int tig = lane / LPT;  // token group within the warp
   const int gbase = tig * LPT;  // first lane of the group
 
+  // PDL (see common.cuh): seq_lens, the block table and every K/V row but the newest are written by
+  // host->device copies or by kernels older than the previous one, so they are read before pdl_wait();
+  // q and the newest K/V row (position seq_len - 1, just written by rotary_and_cache / reshape_and_cache)
+  // only after it, as is every write. Every path below reaches pdl_wait().
   const int seq_len = max(p.seq_lens[seq], 0);
   const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
   const int span = seq_len - lo;
   const int n_active = active_splits(span, p.splits, p.split_unit, p.single_max);
+  if (n_active == 0 || split >= n_active) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   if (n_active == 0) {
     // Empty sequence (a graph padding row): zeros, never uninitialised memory; split 0 writes them.
     if (split == 0) {
@@ -304,11 +313,34 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
     s_ids[1][threadIdx.x] = w1;
   }
   __syncthreads();
+  // The newest row may still be being written by the previous kernel: the prologue tiles leave it out
+  // and it is copied below, after pdl_wait(). (Tiles issued in the main loop come after the wait.)
+  const int newest = seq_len - 1;
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
     if (s < num_tiles) issue_tile<T, D, GQ>(smem + s * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, begin + s * TT,
-                                            end, p, block_mask);
+                                            end, p, block_mask, newest);
     cp_async_commit();  // empty groups keep the group count uniform
+  }
+
+  pdl_wait();
+  pdl_launch_dependents();
+  {
+    const int t_new = (newest - begin) / TT;  // tile of the newest row when this CTA covers it
+    if (newest >= begin && newest < end && t_new < S - 1 && (int)threadIdx.x < TL::CPR) {
+      // One 16-byte chunk of its K and V rows per thread, an L2 load (__ldcg, like cp.async.cg) stored
+      // straight into its prologue stage; the __syncthreads at the top of the tile loop publishes it
+      // together with the cp.async data.
+      constexpr int kPerChunk = 16 / (int)sizeof(T);
+      const int r = (newest >> p.block_shift) - tb0;
+      const int id = s_ids[(r >> kIdWindowShift) & 1][r & (kIdWindow - 1)];
+      const int64_t off = (int64_t)id * p.block_stride + (int64_t)(newest & block_mask) * p.token_stride +
+                          (int)threadIdx.x * kPerChunk;
+      unsigned char* dst = smem + t_new * TL::STAGE_BYTES + (newest - begin - t_new * TT) * TL::ROW_BYTES +
+                           threadIdx.x * 16;
+      *reinterpret_cast<uint4*>(dst) = __ldcg(reinterpret_cast<const uint4*>(k_cache + off));
+      *reinterpret_cast<uint4*>(dst + TL::TT * TL::ROW_BYTES) = __ldcg(reinterpret_cast<const uint4*>(v_cache + off));
+    }
   }
 
   // q (in flight with the first tiles), padded heads as zeros.
@@ -357,7 +389,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
         next_window = load_window(table, tb0, tb_last, have + 1);
       }
       issue_tile<T, D, GQ>(smem + ((j + S - 1) % S) * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, tile_in, end,
-                           p, block_mask);
+                           p, block_mask, -1);
     }
     cp_async_commit();
 
@@ -694,7 +726,7 @@ template <typename T, int D, int GQ>
 static void launch_kernel(Params p, dim3 grid, cudaStream_t s) {
   p.split_unit = Tiling<T, D, GQ>::UNIT;
   p.single_max = Tiling<T, D, GQ>::UNIT + kSinglePassExtraTiles * Tiling<T, D, GQ>::TT;
-  paged_decode_kernel<T, D, GQ><<<grid, kThreads, 0, s>>>(p);
+  launch_pdl(paged_decode_kernel<T, D, GQ>, grid, dim3(kThreads), 0, s, p);
   if (p.splits > 1 && !p.fused) {
     const unsigned seqs = grid.x / (unsigned)(p.num_kv_heads * p.chunks);
     merge_splits_kernel<T><<<dim3(seqs, (unsigned)p.num_heads), 128, 0, s>>>(p, D);

@@ -1,6 +1,10 @@
 // Library-wide entry points: ABI version, error reporting and the device check.
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
 
 #include "common.cuh"
 
@@ -23,6 +27,62 @@ int check_launch(const char* what) {
                        ? WLLM_ERR_NO_KERNEL_IMAGE
                        : WLLM_ERR_CUDA;
   return fail(code, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+
+// PDL switch: -1 = not read yet, then 0 or 1. Read from WLLM_PDL once (anything but "0" leaves PDL
+// on); wllm_set_pdl overrides it. Atomic because launches may come from several host threads.
+static std::atomic<int> g_pdl_switch(-1);
+
+static int pdl_from_environment() {
+#if defined(_MSC_VER)
+  // getenv is "deprecated" under MSVC (C4996); _dupenv_s is its warning-free equivalent.
+  char* value = nullptr;
+  size_t length = 0;
+  int enabled = 1;
+  if (_dupenv_s(&value, &length, "WLLM_PDL") == 0 && value != nullptr) {
+    enabled = strcmp(value, "0") != 0;
+    free(value);
+  }
+  return enabled;
+#else
+  const char* value = getenv("WLLM_PDL");
+  return (value != nullptr && strcmp(value, "0") == 0) ? 0 : 1;
+#endif
+}
+
+// Per-device "is sm_90 or newer": 0 = not asked yet, 1 = no, 2 = yes. Devices past the table never use PDL.
+constexpr int kMaxPdlDevices = 64;
+static std::atomic<int> g_pdl_device[kMaxPdlDevices];
+
+static int pdl_switch() {
+  int value = g_pdl_switch.load(std::memory_order_relaxed);
+  if (value < 0) {
+    int expected = -1;
+    g_pdl_switch.compare_exchange_strong(expected, pdl_from_environment());
+    value = g_pdl_switch.load(std::memory_order_relaxed);
+  }
+  return value;
+}
+
+bool pdl_enabled() {
+  if (!pdl_switch()) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();  // not sticky; the launch itself will report a real problem
+    return false;
+  }
+  if (device < 0 || device >= kMaxPdlDevices) return false;
+  int known = g_pdl_device[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    known = major >= 9 ? 2 : 1;
+    g_pdl_device[device].store(known, std::memory_order_relaxed);
+  }
+  return known == 2;
 }
 
 // Does nothing; its attributes tell whether this library carries code for a device.
@@ -64,4 +124,10 @@ WLLM_API int WLLM_FN(wllm_device_check)(int device, int* binary_sm, int* ptx_ver
   if (binary_sm != nullptr) *binary_sm = attr.binaryVersion;
   if (ptx_version != nullptr) *ptx_version = attr.ptxVersion;
   return WLLM_OK;
+}
+
+WLLM_API int WLLM_FN(wllm_set_pdl)(int enable) {
+  const int previous = WLLM_NS::pdl_switch();
+  WLLM_NS::g_pdl_switch.store(enable != 0 ? 1 : 0);
+  return previous;
 }

@@ -37,6 +37,56 @@ struct Conv<__nv_bfloat16> {
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
 
+// ---- Programmatic Dependent Launch (PDL, sm_90+) ----------------------------------------------
+// A kernel launched with launch_pdl() may start while the kernel before it in the stream is still
+// running. Protocol every PDL kernel follows:
+//  - before pdl_wait(), read only data that no kernel still in flight writes (weights, block tables,
+//    seq_lens, positions, slot mappings: host->device copies or kernels older than the predecessor),
+//    and write nothing at all;
+//  - pdl_wait() on every path through the kernel (early exits included), before the first read of
+//    the predecessor's outputs and before the first global write;
+//  - pdl_launch_dependents() only after pdl_wait(). Then, when a dependent starts, everything before
+//    this kernel in the stream has completed, so the dependent's pre-wait reads of older data are
+//    safe; only this kernel's own outputs need the dependent's wait. (A CTA that exited without
+//    waiting would break that chain, hence the wait on early-exit paths too.)
+// Without a programmatic dependency (no attribute, older GPU, WLLM_PDL=0) both are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// True when launches on the current device should carry the PDL attribute: the device is sm_90+ and
+// PDL is switched on (WLLM_PDL=0 in the environment switches it off; wllm_set_pdl() at run time).
+bool pdl_enabled();
+
+// Launches `kernel` like kernel<<<grid, block, smem, stream>>>(args...), with the programmatic
+// stream serialization attribute when pdl_enabled(). Returns the launch's error (also left for
+// check_launch, which reads cudaGetLastError).
+template <typename... KArgs, typename... Args>
+cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if (pdl_enabled()) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, args...);  // converts each argument to the kernel's type
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

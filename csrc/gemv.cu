@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParam
   const int chunks = p.k / VEC;
   const int kstep = 32 * p.wk;  // chunks between one lane's consecutive chunks
 
-  // Start the first task's weights moving into L2 while x is staged (no registers held).
+  // Start the first task's weights moving into L2 (no registers held) before waiting for the previous
+  // kernel (PDL: weights are never written by a kernel in flight), and while x, its output, is staged.
   {
     const int task = blockIdx.x * groups + group;
     if (task < p.tasks) {
@@ -183,6 +184,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParam
       }
     }
   }
+  pdl_wait();
+  pdl_launch_dependents();
   stage_x<T, PRO>(xs, p);
   __syncthreads();
 
@@ -287,6 +290,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParam
 
 constexpr int kRgMaxThreads = 512;  // CTA of 128, 256 or 512 threads (chosen by the launcher)
 constexpr int kRgUnroll = 8;        // 16-byte loads per lane in flight (one row: U * 16 B per lane)
+constexpr int kRgPrefetch = 32;     // L2 prefetches per lane of the first row, issued before the PDL wait
 
 // Sum over the G lanes of this lane's group (aligned runs of G lanes in the warp); every lane of the
 // group gets the sum. The mask names only the group, so groups of one warp may diverge in trip count.
@@ -313,15 +317,18 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
   const int chunks = p.k >> 3;
   const unsigned mask = (0xffffffffu >> (32 - G)) << ((threadIdx.x & 31) & ~(G - 1));  // this group's lanes
 
-  // Start the first row's first loads moving into L2 while x is staged (no registers held).
+  // Start this group's first row moving into L2 (no registers held) before waiting for the previous
+  // kernel (PDL: weights are never written by a kernel in flight, so this overlaps that kernel's tail)
+  // and while x, its output, is staged. The whole row, up to kRgPrefetch loads per lane: in a decode
+  // step most groups own one or two rows, so this covers most of the matrix.
   if (first_row < p.n) {
     const T* row = p.w + static_cast<int64_t>(first_row) * p.ldw;
-#pragma unroll
-    for (int u = 0; u < kRgUnroll; ++u) {
-      const int c = u * G + lane;
-      if (c < chunks) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + static_cast<int64_t>(c) * 8));
+    for (int u = 0, c = lane; u < kRgPrefetch && c < chunks; ++u, c += G) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + static_cast<int64_t>(c) * 8));
     }
   }
+  pdl_wait();
+  pdl_launch_dependents();
   stage_x<T, PRO>(xs, p);
   __syncthreads();  // the only barrier: from here on each group runs on its own
 
@@ -438,7 +445,7 @@ int launch_row_group(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream
   // every group gets the same number of rows (no CTA runs a lone extra round) and x is staged fewer times.
   const int64_t rounds = (blocks + resident - 1) / resident;
   const int grid = static_cast<int>((blocks + rounds - 1) / rounds);
-  kernel<<<grid, threads, smem, stream>>>(p);
+  launch_pdl(kernel, dim3(grid), dim3(threads), smem, stream, p);
   return check_launch("gemv");
 }
 
@@ -476,7 +483,7 @@ int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
   const int64_t needed = (p.tasks + groups - 1) / groups;
   const int64_t resident = static_cast<int64_t>(dev.sms) * per_sm;
   const int grid = static_cast<int>(needed < resident ? needed : resident);
-  kernel<<<grid, warps * 32, smem, stream>>>(p);
+  launch_pdl(kernel, dim3(grid), dim3(warps * 32), smem, stream, p);
   return check_launch("gemv");
 }
 

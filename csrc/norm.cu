@@ -8,6 +8,12 @@ __global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, co
                                 int64_t hidden, int64_t out_stride, int64_t x_stride, float eps,
                                 float weight_offset) {
   __shared__ float scratch[32];
+  // x is the previous kernel's output: nothing to do before the wait but start the weight moving.
+  if (threadIdx.x * 64 < hidden * (int64_t)sizeof(T)) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(weight) + threadIdx.x * 64));
+  }
+  pdl_wait();
+  pdl_launch_dependents();
   const T* row = x + blockIdx.x * x_stride;
   float sum_sq = 0.0f;
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
@@ -27,6 +33,11 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ res
                                           const T* __restrict__ weight, int64_t hidden, int64_t x_stride,
                                           int64_t res_stride, float eps, float weight_offset) {
   __shared__ float scratch[32];
+  if (threadIdx.x * 64 < hidden * (int64_t)sizeof(T)) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(weight) + threadIdx.x * 64));
+  }
+  pdl_wait();
+  pdl_launch_dependents();
   T* xr = x + blockIdx.x * x_stride;
   T* rr = residual + blockIdx.x * res_stride;
   float sum_sq = 0.0f;
@@ -56,6 +67,26 @@ __global__ void rms_norm_vec_kernel(T* out, const T* x, T* __restrict__ residual
   __shared__ float scratch[32];
   const uint4* xr = reinterpret_cast<const uint4*>(x + blockIdx.x * x_stride);
   uint4* rr = ADD ? reinterpret_cast<uint4*>(residual + blockIdx.x * res_stride) : nullptr;
+  // The weight is never written by a kernel in flight: fetch it before waiting on the previous kernel,
+  // whose outputs (x, residual) are read only after pdl_wait(). Into registers when that costs few
+  // (VPT <= 2: hidden up to 8K-16K); larger rows only prefetch it into L2, since the extra registers
+  // would not fit the up-to-1024-thread CTAs those rows use.
+  constexpr bool kEarlyWeight = VPT <= 2;
+  const uint4* wr = reinterpret_cast<const uint4*>(weight);
+  uint4 wv[kEarlyWeight ? VPT : 1];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int vi = threadIdx.x + i * blockDim.x;
+    if (vi < nvec) {
+      if (kEarlyWeight) {
+        wv[i] = __ldg(wr + vi);
+      } else {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + vi));
+      }
+    }
+  }
+  pdl_wait();
+  pdl_launch_dependents();
   float vals[VPT][V];
   float sum_sq = 0.0f;
 #pragma unroll
@@ -81,13 +112,12 @@ __global__ void rms_norm_vec_kernel(T* out, const T* x, T* __restrict__ residual
     }
   }
   const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / (float)(nvec * V) + eps);
-  const uint4* wr = reinterpret_cast<const uint4*>(weight);
   uint4* dst = reinterpret_cast<uint4*>(out + blockIdx.x * out_stride);
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int vi = threadIdx.x + i * blockDim.x;
     if (vi < nvec) {
-      uint4 wraw = wr[vi];
+      const uint4 wraw = kEarlyWeight ? wv[kEarlyWeight ? i : 0] : __ldg(wr + vi);
       const T* w = reinterpret_cast<const T*>(&wraw);
       uint4 oraw;
       T* o = reinterpret_cast<T*>(&oraw);
@@ -117,10 +147,10 @@ static bool launch_vec(T* out, const T* x, T* residual, const T* weight, int64_t
   threads = (threads + 31) / 32 * 32;
   const dim3 grid((unsigned)rows);
   switch (vpt) {
-    case 1: rms_norm_vec_kernel<T, 1, ADD><<<grid, threads, 0, s>>>(out, x, residual, weight, nvec, out_stride, x_stride, res_stride, eps, weight_offset); break;
-    case 2: rms_norm_vec_kernel<T, 2, ADD><<<grid, threads, 0, s>>>(out, x, residual, weight, nvec, out_stride, x_stride, res_stride, eps, weight_offset); break;
-    case 4: rms_norm_vec_kernel<T, 4, ADD><<<grid, threads, 0, s>>>(out, x, residual, weight, nvec, out_stride, x_stride, res_stride, eps, weight_offset); break;
-    default: rms_norm_vec_kernel<T, 8, ADD><<<grid, threads, 0, s>>>(out, x, residual, weight, nvec, out_stride, x_stride, res_stride, eps, weight_offset); break;
+    case 1: launch_pdl(rms_norm_vec_kernel<T, 1, ADD>, grid, dim3(threads), 0, s, out, x, residual, weight, nvec, out_stride, x_stride, res_stride, eps, weight_offset); break;
+    case 2: launch_pdl(rms_norm_vec_kernel<T, 2, ADD>, grid, dim3(threads), 0, s, out, x, residual, weight, nvec, out_stride, x_stride, res_stride, eps, weight_offset); break;
+    case 4: launch_pdl(rms_norm_vec_kernel<T, 4, ADD>, grid, dim3(threads), 0, s, out, x, residual, weight, nvec, out_stride, x_stride, res_stride, eps, weight_offset); break;
+    default: launch_pdl(rms_norm_vec_kernel<T, 8, ADD>, grid, dim3(threads), 0, s, out, x, residual, weight, nvec, out_stride, x_stride, res_stride, eps, weight_offset); break;
   }
   return true;
 }
@@ -153,8 +183,8 @@ WLLM_API int WLLM_FN(wllm_rms_norm)(void* out, const void* x, const void* weight
                       if (!WLLM_NS::launch_vec<T, false>(static_cast<T*>(out), static_cast<const T*>(x), nullptr,
                                                          static_cast<const T*>(weight), rows, hidden,
                                                          out_row_stride, x_row_stride, 0, eps, weight_offset, s)) {
-                        WLLM_NS::rms_norm_kernel<T><<<(unsigned)rows, threads, 0, s>>>(
-                            static_cast<T*>(out), static_cast<const T*>(x), static_cast<const T*>(weight),
+                        WLLM_NS::launch_pdl(
+                            WLLM_NS::rms_norm_kernel<T>, dim3((unsigned)rows), dim3(threads), 0, s, static_cast<T*>(out), static_cast<const T*>(x), static_cast<const T*>(weight),
                             hidden, out_row_stride, x_row_stride, eps, weight_offset);
                       });
   return WLLM_NS::check_launch("rms_norm");
@@ -173,8 +203,8 @@ WLLM_API int WLLM_FN(wllm_fused_add_rms_norm)(void* x, void* residual, const voi
                                                         static_cast<T*>(residual), static_cast<const T*>(weight),
                                                         rows, hidden, x_row_stride, x_row_stride,
                                                         residual_row_stride, eps, weight_offset, s)) {
-                        WLLM_NS::fused_add_rms_norm_kernel<T><<<(unsigned)rows, threads, 0, s>>>(
-                            static_cast<T*>(x), static_cast<T*>(residual), static_cast<const T*>(weight),
+                        WLLM_NS::launch_pdl(
+                            WLLM_NS::fused_add_rms_norm_kernel<T>, dim3((unsigned)rows), dim3(threads), 0, s, static_cast<T*>(x), static_cast<T*>(residual), static_cast<const T*>(weight),
                             hidden, x_row_stride, residual_row_stride, eps, weight_offset);
                       });
   return WLLM_NS::check_launch("fused_add_rms_norm");

@@ -131,6 +131,15 @@ __global__ void rotary_and_cache_kernel(const int64_t* __restrict__ positions, T
   const int half = rot_dim / 2;
   const float* cos_row = cos_sin_cache + pos * rot_dim;
   const float* sin_row = cos_row + half;
+  // positions, slot_mapping (host->device copies) and the cos/sin table (constant) are never written by
+  // the kernel in flight before this one: read them and start this token's table row (rot_dim floats)
+  // moving into L2 before waiting. q, key and value are that kernel's outputs (the qkv projection), and
+  // the cache slots may still be read by it: both only after pdl_wait().
+  for (int b = (int)threadIdx.x * 32; b < rot_dim; b += (int)blockDim.x * 32) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(cos_row + b));
+  }
+  pdl_wait();
+  pdl_launch_dependents();
 
   const int rot_items = half / VEC;                    // per head, VEC pairs each
   const int pass_items = (head_size - rot_dim) / VEC;  // per k head, VEC elements each
@@ -189,7 +198,7 @@ static void launch(int threads, cudaStream_t s, int64_t num_tokens, const int64_
                    int head_size, int rot_dim, int block_size, int64_t num_slots, int64_t max_position, int64_t q_tok,
                    int64_t q_head, int64_t k_tok, int64_t k_head, int64_t v_tok, int64_t v_head, int64_t c_block,
                    int64_t c_tok, int64_t c_head, bool neox) {
-  rotary_and_cache_kernel<T, VEC><<<(unsigned)num_tokens, threads, 0, s>>>(
+  launch_pdl(rotary_and_cache_kernel<T, VEC>, dim3((unsigned)num_tokens), dim3(threads), 0, s,
       positions, static_cast<T*>(q), static_cast<const T*>(key), static_cast<const T*>(value),
       static_cast<T*>(key_cache), static_cast<T*>(value_cache), slot_mapping, cos_sin_cache, num_heads, num_kv_heads,
       head_size, rot_dim, block_size, num_slots, max_position, q_tok, q_head, k_tok, k_head, v_tok, v_head, c_block,

@@ -26,7 +26,7 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 c_int, c_int64, c_float, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
-# name -> argument types (all functions return int status, except wllm_last_error).
+# name -> argument types (all functions return int status, except wllm_last_error and wllm_set_pdl).
 SIGNATURES: dict[str, list] = {
     "wllm_abi_version": [],
     "wllm_device_check": [c_int, ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
@@ -58,6 +58,8 @@ SIGNATURES: dict[str, list] = {
     # Skinny GEMM for decode (gemv.cu).
     "wllm_gemv": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,
                   c_int, c_int, c_void_p],
+    # Programmatic Dependent Launch switch (returns the previous setting, not a status).
+    "wllm_set_pdl": [c_int],
     "wllm_sample_workspace_size": [ctypes.POINTER(c_int64)],
     "wllm_sample": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                     c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p],
@@ -194,3 +196,11 @@ def available(device: int = 0) -> bool:
         return True
     except (KernelLibraryError, OSError):
         return False
+
+
+def set_pdl(enabled: bool, device: int = 0) -> bool:
+    """Turn Programmatic Dependent Launch (sm_90+: a decode-path kernel may start its independent prologue
+    while the kernel before it finishes) on or off for launches made from now on; returns the previous
+    setting. Results are bit-identical either way; a CUDA graph keeps the setting it was captured with.
+    The environment variable WLLM_PDL=0 sets the initial state to off."""
+    return bool(binding(device).wllm_set_pdl(1 if enabled else 0))

@@ -1,0 +1,112 @@
+"""Programmatic Dependent Launch: a batch-1 decode step's kernel chain with PDL off and on.
+
+Each layer runs the engine's decode kernels back to back -- fused_add_rms_norm, gemv (qkv), rotary_and_cache,
+paged_decode_attention, gemv (o), fused_add_rms_norm, gemv (gate_up), gemv (down, SiLU fused) -- with its
+own weights (so they stream from DRAM as in a real step, not from L2), all `--layers` layers captured in
+one CUDA graph, once with PDL off and once on. PDL lets each kernel fetch what its predecessor does not
+write (weights, block tables, older K/V rows) while that predecessor finishes. Rows: device time per
+layer; floor = the layer's weight and KV bytes at the H200's copy bandwidth. Outputs of the two graphs
+are checked to be bit-identical.
+
+    python benchmarks/kernels_pdl.py [--context 128] [--layers 24] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from wllm import kernels
+from wllm.bench.floors import H200
+from wllm.bench.timing import cuda_time_ms
+from wllm.engine.cuda_graphs import capture_graph
+
+# name: hidden, q heads, kv heads, head size, intermediate, qkv bias
+SHAPES = {"qwen2.5-0.5b": (896, 14, 2, 64, 4864, True), "llama-3.1-8b": (4096, 32, 8, 128, 14336, False)}
+BLOCK = 16
+
+
+def case(name: str, context: int, layers: int) -> dict:
+    """Time one shape's chain with PDL off and on; returns one result row."""
+    hidden, hq, hkv, d, inter, bias = SHAPES[name]
+    dt, dev = torch.bfloat16, "cuda"
+
+    def w(n: int, k: int) -> torch.Tensor:
+        return torch.randn(n, k, device=dev, dtype=dt) * k**-0.5
+
+    blocks = (context + BLOCK - 1) // BLOCK
+    weights = [{
+        "norm_in": torch.ones(hidden, device=dev, dtype=dt), "norm_post": torch.ones(hidden, device=dev, dtype=dt),
+        "qkv": w((hq + 2 * hkv) * d, hidden),
+        "qkv_bias": torch.zeros((hq + 2 * hkv) * d, device=dev, dtype=dt) if bias else None,
+        "o": w(hidden, hq * d), "gate_up": w(2 * inter, hidden), "down": w(hidden, inter),
+        "k_cache": torch.randn(blocks + 1, BLOCK, hkv, d, device=dev, dtype=dt),
+        "v_cache": torch.randn(blocks + 1, BLOCK, hkv, d, device=dev, dtype=dt),
+    } for _ in range(layers)]
+    tables = torch.randperm(blocks + 1, device=dev)[:blocks].to(torch.int32).view(1, blocks)
+    seq_lens = torch.tensor([context], device=dev, dtype=torch.int32)
+    positions = torch.tensor([context - 1], device=dev, dtype=torch.int64)
+    slots = (tables[0, (context - 1) // BLOCK].long() * BLOCK + (context - 1) % BLOCK).view(1)
+    cos_sin = kernels.rotary_cos_sin_cache(blocks * BLOCK, d).to(dev)
+    max_seq_len = blocks * BLOCK
+    ws = kernels.decode_workspace_size(1, hq, hkv, d, max_seq_len)
+    workspace = torch.zeros(max((ws + 3) // 4, 1), device=dev, dtype=torch.float32)
+    x0 = torch.randn(1, hidden, device=dev, dtype=dt)
+
+    def step() -> torch.Tensor:
+        x, residual = x0.clone(), torch.zeros_like(x0)
+        for lw in weights:
+            kernels.fused_add_rms_norm(x, residual, lw["norm_in"], 1e-6)
+            qkv = kernels.gemv(x, lw["qkv"], lw["qkv_bias"])
+            q, k, v = (t.view(1, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+            kernels.rotary_and_cache(positions, q, k, v, lw["k_cache"], lw["v_cache"], slots, cos_sin, True)
+            attn = kernels.paged_decode_attention(q, lw["k_cache"], lw["v_cache"], tables, seq_lens, d**-0.5,
+                                                  max_seq_len=max_seq_len, workspace=workspace)
+            x = kernels.gemv(attn.view(1, hq * d), lw["o"])
+            kernels.fused_add_rms_norm(x, residual, lw["norm_post"], 1e-6)
+            x = kernels.gemv(kernels.gemv(x, lw["gate_up"]), lw["down"], activation="silu")
+        return x
+
+    us, outs = {}, {}
+    for label, on in (("off", False), ("on", True)):
+        previous = kernels.set_pdl(on)
+        try:
+            graph, out = capture_graph(step)
+        finally:
+            kernels.set_pdl(previous)
+        us[label] = cuda_time_ms(graph.replay, warmup=5, iters=50) * 1e3 / layers
+        outs[label] = out.clone()
+    lw = weights[0]
+    nbytes = sum(t.numel() * t.element_size() for key, t in lw.items() if t is not None and "cache" not in key)
+    nbytes += 2 * context * hkv * d * 2  # K and V rows read
+    return {"shape": name, "context": context, "pdl_off_us": us["off"], "pdl_on_us": us["on"], "bytes": nbytes,
+            "floor_us": nbytes / H200.bandwidth * 1e6, "identical": bool(torch.equal(outs["off"], outs["on"]))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=128, help="tokens of context, the new one included")
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers per captured graph")
+    parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not kernels.available():
+        raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
+    torch.manual_seed(0)
+    rows = [case(name, args.context, args.layers) for name in SHAPES]
+    print(f"batch-1 decode layer (8 kernels), bf16, context {args.context}, CUDA graph of {args.layers} layers; "
+          f"floor = weight + KV bytes at {H200.bandwidth / 1e9:,.0f} GB/s")
+    print(f"{'shape':<14}{'PDL off us':>12}{'PDL on us':>11}{'saved us':>10}{'floor us':>10}{'on/floor':>10}"
+          f"{'identical':>11}")
+    for r in rows:
+        saved = r["pdl_off_us"] - r["pdl_on_us"]
+        print(f"{r['shape']:<14}{r['pdl_off_us']:>12.2f}{r['pdl_on_us']:>11.2f}{saved:>10.2f}{r['floor_us']:>10.2f}"
+              f"{r['pdl_on_us'] / r['floor_us']:>9.2f}x{str(r['identical']):>11}")
+    if args.json:
+        print(json.dumps({"context": args.context, "layers": args.layers, "rows": rows}))
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
