@@ -14,14 +14,16 @@ from wllm.kernels import gemv
 from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 
 # Which decode matmuls take the skinny-GEMM kernel instead of cuBLAS, from the H200 measurements
-# (benchmarks/kernels_gemv.py, RESULTS.md): up to GEMV_MAX_ROWS rows when the weight is at most
-# GEMV_SMALL_WEIGHT_BYTES (Qwen2.5-0.5B's qkv, o, down: 1.1-1.5x at 1-2 rows), and one row when K is
-# at least GEMV_WIDE_MIN_K and the weight at most GEMV_MAX_WEIGHT_BYTES (Llama-3.1-8B's qkv, o, down:
-# 1.03-1.16x). Elsewhere cuBLAS ties or wins (e.g. 17 MB with K = 896, anything at 4+ rows).
+# (benchmarks/kernels_gemv.py and A/B runs of `wllm bench latency`, RESULTS.md): up to GEMV_MAX_ROWS
+# rows when the weight is at most GEMV_SMALL_WEIGHT_BYTES (Qwen2.5-0.5B's qkv, o, down: 1.1-1.5x at
+# 1-2 rows), and one row when K is at least GEMV_WIDE_MIN_K and the weight at most
+# GEMV_MAX_WEIGHT_BYTES (Llama-3.1-8B's qkv, o, down 1.03-1.16x; gate_up ties alone but with PDL the
+# whole step gains ~1%). Elsewhere cuBLAS ties or wins (a 17 MB weight with K = 896: -2% end to end;
+# anything at 4+ rows).
 GEMV_MAX_ROWS = 2
 GEMV_SMALL_WEIGHT_BYTES = 12 << 20
 GEMV_WIDE_MIN_K = 2048
-GEMV_MAX_WEIGHT_BYTES = 128 << 20
+GEMV_MAX_WEIGHT_BYTES = 256 << 20
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
