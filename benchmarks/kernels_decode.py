@@ -108,8 +108,8 @@ def main() -> int:
     ms_act = time_ms(lambda: kernels.silu_and_mul(x))
     act_bytes = x.numel() * itemsize * 1.5
     logits = torch.randn(b, args.vocab, device="cuda")
-    rows_greedy = ops.pack_sampling_rows([_Row(0.0, 1.0)] * b, "cuda")
-    rows_top_p = ops.pack_sampling_rows([_Row(0.8, 0.95)] * b, "cuda")
+    rows_greedy = kernels.pack_sampling_rows([_Row(0.0, 1.0)] * b, "cuda")
+    rows_top_p = kernels.pack_sampling_rows([_Row(0.8, 0.95)] * b, "cuda")
     ms_greedy = time_ms(lambda: kernels.sample(logits, **rows_greedy))
     ms_top_p = time_ms(lambda: kernels.sample(logits, **rows_top_p))
     print(f"\nsilu_and_mul [{b}, {2 * args.intermediate}]: {ms_act * 1e3:.1f} us "

@@ -20,7 +20,7 @@ from wllm import kernels
 from wllm.bench.floors import H200
 from wllm.bench.timing import cuda_time_ms, kernel_bench_args
 from wllm.engine.cuda_graphs import capture_graph
-from wllm.kernels import ops, reference
+from wllm.kernels import reference
 from wllm.sampling_params import SamplingParams
 
 SHAPES = [(1, 151936), (1, 128256), (64, 128256), (256, 128256)]
@@ -56,7 +56,7 @@ def main() -> int:
         logits = torch.randn(rows, vocab, device="cuda") * 2.5
         floor_us = rows * vocab * 4 / H200.bandwidth * 1e6
         for mode, params in MODES.items():
-            packed = ops.pack_sampling_rows([_Row(i, **params) for i in range(rows)], "cuda")
+            packed = kernels.pack_sampling_rows([_Row(i, **params) for i in range(rows)], "cuda")
             us = time_in_graph_us(lambda logits=logits, packed=packed: kernels.sample(logits, **packed), args.calls)
             check_rows = min(rows, 4)  # the reference is slow on the CPU side; a few rows suffice
             want, _, _ = reference.sample(logits[:check_rows], packed["params_f32"][:check_rows],

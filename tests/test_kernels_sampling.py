@@ -163,7 +163,7 @@ def test_pack_sampling_rows_layout() -> None:
     packed = kernels.pack_sampling_rows(rows)
     assert packed["params_f32"][1].tolist() == pytest.approx([0.5, 1.0, 0.0, 1.1, 0.0, 0.0])
     top_k, seed, position = packed["params_i64"][1].tolist()
-    assert top_k == 0 and position == 3 and seed == kernels.ops.sequence_seed(3, 1)
+    assert top_k == 0 and position == 3 and seed == kernels.sampling.sequence_seed(3, 1)
     assert packed["bias_offsets"].tolist() == [0, 0, 3]
     assert packed["bias_tokens"].tolist() == [9, 8, 2]
     assert packed["bias_values"].tolist() == [1.5, -math.inf, -math.inf]
@@ -366,7 +366,7 @@ def test_sample_cuda_same_token_for_any_batch_and_split(monkeypatch: pytest.Monk
             rows[batch // 2] = target
             tok, _, _ = kernels.sample(logits, **kernels.pack_sampling_rows(rows, "cuda"))
             assert tok[batch // 2].item() == alone, f"batch {batch}: {target.params}"
-        monkeypatch.setattr(kernels.ops, "_sample_workspace", lambda device, lib: None)
+        monkeypatch.setattr(kernels.sampling, "_sample_workspace", lambda device, lib: None)
         one_block, _, _ = kernels.sample(target_logits.clone(), **kernels.pack_sampling_rows([target], "cuda"))
         monkeypatch.undo()
         assert one_block[0].item() == alone, f"one block per row: {target.params}"

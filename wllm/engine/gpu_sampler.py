@@ -23,7 +23,7 @@ import torch
 
 from wllm.engine.sampler import SamplingRow
 from wllm.kernels import pack_sampling_rows
-from wllm.kernels.ops import sequence_seed
+from wllm.kernels.sampling import sequence_seed
 from wllm.outputs import StepLogprobs, TokenLogprob
 
 _cached_seed = functools.lru_cache(maxsize=1 << 16)(sequence_seed)

@@ -8,17 +8,16 @@ from wllm.kernels.ops import (
     decode_workspace_size,
     fused_add_rms_norm,
     gelu_tanh_and_mul,
-    pack_sampling_rows,
     paged_decode_attention,
     paged_prefill_attention,
     reshape_and_cache,
     rms_norm,
     rotary_and_cache,
     rotary_embedding,
-    sample,
     silu_and_mul,
 )
 from wllm.kernels.reference import rotary_cos_sin_cache
+from wllm.kernels.sampling import pack_sampling_rows, sample
 
 __all__ = [
     "KernelError",

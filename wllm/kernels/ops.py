@@ -8,10 +8,6 @@ decode loop is host-bound on small models.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-from collections.abc import Sequence
-
 import torch
 
 from wllm.kernels import _lib, reference
@@ -471,67 +467,6 @@ def _cuda_act_and_mul(x: torch.Tensor, activation: str, out: torch.Tensor | None
     return out
 
 
-def _cuda_sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
-                 bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                 penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-                 return_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    what = "sample"
-    num_rows, vocab = logits.shape
-    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        raise ValueError(f"{what}: logits must be float32 [S, V] with a contiguous last dim")
-    expected = ((params_f32, torch.float32, (num_rows, 6)), (params_i64, torch.int64, (num_rows, 3)))
-    for t, dtype, shape in expected:
-        if t.dtype != dtype or t.shape != shape or t.device != logits.device:
-            raise ValueError(f"{what}: expected {dtype} {shape} on {logits.device}, got {t.dtype} {tuple(t.shape)}")
-    csr = []
-    for name, group, kinds in (("logit_bias", bias, (torch.int32, torch.int32, torch.float32)),
-                               ("penalties", penalties, (torch.int32, torch.int32, torch.int32))):
-        if group is None:
-            csr.append((None, None, None))
-            continue
-        offsets, tokens, values = (t.contiguous() for t in group)
-        if tuple(t.dtype for t in group) != kinds or offsets.shape != (num_rows + 1,) or \
-                tokens.shape != values.shape or any(t.device != logits.device for t in group):
-            raise ValueError(f"{what}: {name} must be CSR (offsets int32 [S + 1], tokens int32 [N], values "
-                             f"{kinds[2]} [N]) on {logits.device}")
-        csr.append((offsets, tokens, values))
-    saved_len = sum(c[1].numel() for c in csr if c[1] is not None)
-    saved = torch.empty(max(saved_len, 1), dtype=torch.float32, device=logits.device)
-    tokens_out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    logprobs_out = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    raw = torch.empty((num_rows, vocab), dtype=torch.float32, device=logits.device) if return_logprobs else None
-
-    def ptr(t: torch.Tensor | None) -> int | None:
-        return t.data_ptr() if t is not None else None
-
-    lib = _lib.binding(logits.device.index or 0)
-    workspace = _sample_workspace(logits.device, lib)
-    lib.check(lib.wllm_sample(
-        logits.data_ptr(), num_rows, vocab, logits.stride(0), params_f32.contiguous().data_ptr(),
-        params_i64.contiguous().data_ptr(), *(ptr(t) for t in csr[0]), *(ptr(t) for t in csr[1]), saved.data_ptr(),
-        tokens_out.data_ptr(), logprobs_out.data_ptr(), ptr(raw), vocab, ptr(workspace),
-        workspace.numel() if workspace is not None else 0, _stream(logits)), what)
-    return tokens_out, logprobs_out, raw
-
-
-_SAMPLE_WORKSPACES: dict[int, torch.Tensor] = {}
-
-
-def _sample_workspace(device: torch.device, lib: _lib.Binding) -> torch.Tensor | None:
-    """The sampler's zeroed workspace for `device` (uint8, a few MB), made on first use and kept for the
-    process: the kernel leaves it zeroed, so one allocation serves every later call and graph replay.
-    None while a CUDA graph is being captured without one: an allocation then would belong to the
-    graph's private pool; the kernel runs one block per row instead (same results, slower)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    workspace = _SAMPLE_WORKSPACES.get(index)
-    if workspace is None and not torch.cuda.is_current_stream_capturing():
-        size = ctypes.c_int64(0)
-        lib.check(lib.wllm_sample_workspace_size(ctypes.byref(size)), "sample_workspace_size")
-        workspace = torch.zeros(size.value, dtype=torch.uint8, device=device)
-        _SAMPLE_WORKSPACES[index] = workspace
-    return workspace
-
-
 @torch.library.custom_op("wllm::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
 def reshape_and_cache_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> None:
@@ -580,27 +515,6 @@ def act_and_mul_op(x: torch.Tensor, activation: str) -> torch.Tensor:
 @act_and_mul_op.register_fake
 def _(x: torch.Tensor, activation: str) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-
-
-@torch.library.custom_op("wllm::sample", mutates_args=("logits",))
-def sample_op(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
-              bias_offsets: torch.Tensor | None, bias_tokens: torch.Tensor | None, bias_values: torch.Tensor | None,
-              penalty_offsets: torch.Tensor | None, penalty_tokens: torch.Tensor | None,
-              penalty_counts: torch.Tensor | None, return_logprobs: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tokens, logprobs, raw = sample(logits, params_f32, params_i64, bias_offsets, bias_tokens, bias_values,
-                                   penalty_offsets, penalty_tokens, penalty_counts, return_logprobs)
-    return tokens, logprobs, raw if raw is not None else logits.new_empty((0, logits.shape[1]))
-
-
-@sample_op.register_fake
-def _(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor, bias_offsets: torch.Tensor | None,
-      bias_tokens: torch.Tensor | None, bias_values: torch.Tensor | None, penalty_offsets: torch.Tensor | None,
-      penalty_tokens: torch.Tensor | None, penalty_counts: torch.Tensor | None, return_logprobs: bool
-      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = logits.shape[0] if return_logprobs else 0
-    return (logits.new_empty(logits.shape[0], dtype=torch.int64), logits.new_empty(logits.shape[0]),
-            logits.new_empty((rows, logits.shape[1])))
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -681,74 +595,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """tanh-GELU(gate) * up (Gemma MLPs)."""
     return act_and_mul(x, "gelu_tanh")
-
-
-def sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
-           bias_offsets: torch.Tensor | None = None, bias_tokens: torch.Tensor | None = None,
-           bias_values: torch.Tensor | None = None, penalty_offsets: torch.Tensor | None = None,
-           penalty_tokens: torch.Tensor | None = None, penalty_counts: torch.Tensor | None = None,
-           return_logprobs: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One token per row of fp32 logits [S, V]: (tokens int64 [S], raw logprob of each fp32 [S], raw
-    log-softmax [S, V] when return_logprobs). Inputs as built by pack_sampling_rows; semantics in
-    csrc/api.h (wllm_sample) and reference.sample. logits are left unchanged."""
-    bias = (bias_offsets, bias_tokens, bias_values) if bias_offsets is not None else None
-    penalties = (penalty_offsets, penalty_tokens, penalty_counts) if penalty_offsets is not None else None
-    if not logits.is_cuda:
-        return reference.sample(logits, params_f32, params_i64, *(bias or (None,) * 3), *(penalties or (None,) * 3),
-                                return_logprobs=return_logprobs)
-    if _is_compiling():
-        tokens, logprobs, raw = sample_op(logits, params_f32, params_i64, *(bias or (None,) * 3),
-                                          *(penalties or (None,) * 3), return_logprobs)
-        return tokens, logprobs, raw if return_logprobs else None
-    return _cuda_sample(logits, params_f32, params_i64, bias, penalties, return_logprobs)
-
-
-def sequence_seed(seed: int, index: int) -> int:
-    """The Philox key of sequence `index` of a request seeded with `seed` (a signed 64-bit value)."""
-    data = seed.to_bytes(16, "little", signed=True) + index.to_bytes(8, "little")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
-
-
-def pack_sampling_rows(rows: Sequence, device: torch.device | str = "cpu") -> dict[str, torch.Tensor | None]:
-    """Keyword arguments of `sample` for engine rows (objects with params: SamplingParams, seed, index,
-    prompt_token_ids, output_token_ids, eos_token_ids), with the CPU sampler's semantics: logit_bias plus
-    -inf bans of EOS / stop tokens until min_tokens outputs exist, penalties over prompt and output
-    tokens, random stream keyed by (seed, index) and counted by the output position."""
-    pf, pi = [], []
-    bias_off, bias_tok, bias_val, pen_off, pen_tok, pen_cnt = [0], [], [], [0], [], []
-    for row in rows:
-        p = row.params
-        pf.append([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty])
-        pi.append([max(p.top_k, 0), sequence_seed(row.seed, row.index), len(row.output_token_ids)])
-        for token, value in (p.logit_bias or {}).items():
-            bias_tok.append(int(token))
-            bias_val.append(float(value))
-        if len(row.output_token_ids) < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
-            bias_tok += banned
-            bias_val += [float("-inf")] * len(banned)
-        bias_off.append(len(bias_tok))
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-            counts = dict.fromkeys(row.prompt_token_ids, 0)
-            for token in row.output_token_ids:
-                counts[token] = counts.get(token, 0) + 1
-            pen_tok += counts.keys()
-            pen_cnt += counts.values()
-        pen_off.append(len(pen_tok))
-
-    def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device)
-
-    out: dict[str, torch.Tensor | None] = {"params_f32": t(pf, torch.float32).reshape(-1, 6),
-                                           "params_i64": t(pi, torch.int64).reshape(-1, 3)}
-    has_bias, has_pen = bool(bias_tok), bool(pen_tok)
-    out["bias_offsets"] = t(bias_off, torch.int32) if has_bias else None
-    out["bias_tokens"] = t(bias_tok, torch.int32) if has_bias else None
-    out["bias_values"] = t(bias_val, torch.float32) if has_bias else None
-    out["penalty_offsets"] = t(pen_off, torch.int32) if has_pen else None
-    out["penalty_tokens"] = t(pen_tok, torch.int32) if has_pen else None
-    out["penalty_counts"] = t(pen_cnt, torch.int32) if has_pen else None
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
