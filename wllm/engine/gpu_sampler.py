@@ -15,18 +15,14 @@ Logprobs (sampled and prompt) are computed on the device as one packed fp32 matr
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
 
 from wllm.engine.sampler import SamplingRow
-from wllm.kernels import pack_sampling_rows
-from wllm.kernels.sampling import sequence_seed
+from wllm.kernels.sampling import pack_sampling_rows, sampling_lists
 from wllm.outputs import StepLogprobs, TokenLogprob
-
-_cached_seed = functools.lru_cache(maxsize=1 << 16)(sequence_seed)
 
 
 class StagedBuffer:
@@ -101,45 +97,13 @@ class SamplingBuffers:
         """
         n = len(rows)
         padded = n if padded is None else padded
-        bias_tok: list[int] = []
-        bias_val: list[float] = []
-        bias_off = [0]
-        pen_tok: list[int] = []
-        pen_cnt: list[int] = []
-        pen_off = [0]
-        f32: list[tuple[float, ...]] = []
-        i64: list[tuple[int, int, int]] = []
-        for row in rows:
-            p = row.params
-            n_out = len(row.output_token_ids) + ahead
-            f32.append((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
-                        p.presence_penalty))
-            i64.append((max(p.top_k, 0), _cached_seed(row.seed, row.index), n_out))
-            vocab = self.vocab_size
-            if p.logit_bias:
-                for t, v in p.logit_bias.items():
-                    if 0 <= int(t) < vocab:
-                        bias_tok.append(int(t))
-                        bias_val.append(float(v))
-            if n_out < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
-                banned = [t for t in banned if 0 <= t < vocab]
-                bias_tok.extend(banned)
-                bias_val.extend([float("-inf")] * len(banned))
-            bias_off.append(len(bias_tok))
-            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                counts = dict.fromkeys(row.prompt_token_ids, 0)
-                for token in row.output_token_ids:
-                    counts[token] = counts.get(token, 0) + 1
-                pen_tok.extend(counts)
-                pen_cnt.extend(counts.values())
-            pen_off.append(len(pen_tok))
+        lists = sampling_lists(rows, self.vocab_size, ahead)
+        f32, i64 = lists.f32, lists.i64
+        bias_off, bias_tok, bias_val = lists.bias_off, lists.bias_tok, lists.bias_val
+        pen_off, pen_tok, pen_cnt = lists.pen_off, lists.pen_tok, lists.pen_cnt
         if padded > self.max_rows or len(bias_tok) > self.bias_tok.np.shape[0] or \
                 len(pen_tok) > self.pen_tok.np.shape[0]:
-            if ahead:  # the packer counts the outputs in the list: stand-ins for the unseen ones
-                rows = [SamplingRow(r.params, r.seed, r.index, r.prompt_token_ids,
-                                    r.output_token_ids + [0] * ahead, r.eos_token_ids) for r in rows]
-            return pack_sampling_rows(rows, self.device), False
+            return pack_sampling_rows(rows, self.device, self.vocab_size, ahead), False
 
         f32_np, i64_np = (self.f32.np, self.i64.np) if stage is None else stage[:2]
         if n:

@@ -6,8 +6,10 @@ inputs."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -117,49 +119,80 @@ def sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Ten
     return _cuda_sample(logits, params_f32, params_i64, bias, penalties, return_logprobs)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def sequence_seed(seed: int, index: int) -> int:
-    """The Philox key of sequence `index` of a request seeded with `seed` (a signed 64-bit value)."""
+    """The Philox key of sequence `index` of a request seeded with `seed` (a signed 64-bit value).
+    Cached: the engine asks for the same few keys every step."""
     data = seed.to_bytes(16, "little", signed=True) + index.to_bytes(8, "little")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def pack_sampling_rows(rows: Sequence, device: torch.device | str = "cpu") -> dict[str, torch.Tensor | None]:
-    """Keyword arguments of `sample` for engine rows (objects with params: SamplingParams, seed, index,
-    prompt_token_ids, output_token_ids, eos_token_ids), with the CPU sampler's semantics: logit_bias plus
-    -inf bans of EOS / stop tokens until min_tokens outputs exist, penalties over prompt and output
-    tokens, random stream keyed by (seed, index) and counted by the output position."""
-    pf, pi = [], []
-    bias_off, bias_tok, bias_val, pen_off, pen_tok, pen_cnt = [0], [], [], [0], [], []
+@dataclass
+class SamplingLists:
+    """The `sample` kernel's inputs for a batch of rows as host lists: per-row parameters and the two
+    CSR lists (logit_bias plus min_tokens bans; penalty tokens with their counts)."""
+
+    f32: list[tuple[float, float, float, float, float, float]]
+    i64: list[tuple[int, int, int]]
+    bias_off: list[int]
+    bias_tok: list[int]
+    bias_val: list[float]
+    pen_off: list[int]
+    pen_tok: list[int]
+    pen_cnt: list[int]
+
+
+def sampling_lists(rows: Sequence, vocab_size: int | None = None, ahead: int = 0) -> SamplingLists:
+    """Engine rows (objects with params: SamplingParams, seed, index, prompt_token_ids, output_token_ids,
+    eos_token_ids) as kernel inputs, with the CPU sampler's semantics: logit_bias plus -inf bans of EOS /
+    stop tokens until min_tokens outputs exist, penalties over prompt and output tokens, random stream
+    keyed by (seed, index) and counted by the output position. `vocab_size` drops bias entries outside
+    the vocabulary. `ahead` output tokens are counted on top of each row's list (a lookahead step samples
+    after a token the host has not seen; only its count matters, so rows with penalties, which need its
+    value, must not be packed ahead)."""
+    out = SamplingLists([], [], [0], [], [], [0], [], [])
     for row in rows:
         p = row.params
-        pf.append([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty])
-        pi.append([max(p.top_k, 0), sequence_seed(row.seed, row.index), len(row.output_token_ids)])
+        n_out = len(row.output_token_ids) + ahead
+        out.f32.append((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+                        p.presence_penalty))
+        out.i64.append((max(p.top_k, 0), sequence_seed(row.seed, row.index), n_out))
         for token, value in (p.logit_bias or {}).items():
-            bias_tok.append(int(token))
-            bias_val.append(float(value))
-        if len(row.output_token_ids) < p.min_tokens:
+            if vocab_size is None or 0 <= int(token) < vocab_size:
+                out.bias_tok.append(int(token))
+                out.bias_val.append(float(value))
+        if n_out < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(row.eos_token_ids))
-            bias_tok += banned
-            bias_val += [float("-inf")] * len(banned)
-        bias_off.append(len(bias_tok))
+            banned = [t for t in banned if vocab_size is None or 0 <= t < vocab_size]
+            out.bias_tok += banned
+            out.bias_val += [float("-inf")] * len(banned)
+        out.bias_off.append(len(out.bias_tok))
         if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
             counts = dict.fromkeys(row.prompt_token_ids, 0)
             for token in row.output_token_ids:
                 counts[token] = counts.get(token, 0) + 1
-            pen_tok += counts.keys()
-            pen_cnt += counts.values()
-        pen_off.append(len(pen_tok))
+            out.pen_tok += counts.keys()
+            out.pen_cnt += counts.values()
+        out.pen_off.append(len(out.pen_tok))
+    return out
+
+
+def pack_sampling_rows(rows: Sequence, device: torch.device | str = "cpu", vocab_size: int | None = None,
+                       ahead: int = 0) -> dict[str, torch.Tensor | None]:
+    """Keyword arguments of `sample` for engine rows, as one-off tensors on `device` (see
+    `sampling_lists` for the semantics and the arguments)."""
+    lists = sampling_lists(rows, vocab_size, ahead)
 
     def t(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device)
 
-    out: dict[str, torch.Tensor | None] = {"params_f32": t(pf, torch.float32).reshape(-1, 6),
-                                           "params_i64": t(pi, torch.int64).reshape(-1, 3)}
-    has_bias, has_pen = bool(bias_tok), bool(pen_tok)
-    out["bias_offsets"] = t(bias_off, torch.int32) if has_bias else None
-    out["bias_tokens"] = t(bias_tok, torch.int32) if has_bias else None
-    out["bias_values"] = t(bias_val, torch.float32) if has_bias else None
-    out["penalty_offsets"] = t(pen_off, torch.int32) if has_pen else None
-    out["penalty_tokens"] = t(pen_tok, torch.int32) if has_pen else None
-    out["penalty_counts"] = t(pen_cnt, torch.int32) if has_pen else None
+    out: dict[str, torch.Tensor | None] = {"params_f32": t(lists.f32, torch.float32).reshape(-1, 6),
+                                           "params_i64": t(lists.i64, torch.int64).reshape(-1, 3)}
+    has_bias, has_pen = bool(lists.bias_tok), bool(lists.pen_tok)
+    out["bias_offsets"] = t(lists.bias_off, torch.int32) if has_bias else None
+    out["bias_tokens"] = t(lists.bias_tok, torch.int32) if has_bias else None
+    out["bias_values"] = t(lists.bias_val, torch.float32) if has_bias else None
+    out["penalty_offsets"] = t(lists.pen_off, torch.int32) if has_pen else None
+    out["penalty_tokens"] = t(lists.pen_tok, torch.int32) if has_pen else None
+    out["penalty_counts"] = t(lists.pen_cnt, torch.int32) if has_pen else None
     return out
