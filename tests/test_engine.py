@@ -84,14 +84,15 @@ def assert_all_free(engine):
 
 
 def run_staggered(engine, prompts, params, per_step=2):
-    """Add `per_step` requests before each step until all are in; collect final outputs."""
+    """Add `per_step` requests before each step until all are in; collect final outputs. `params`
+    is one SamplingParams for all prompts or a list with one per prompt."""
     pending = list(enumerate(prompts))
     final = {}
     while pending or engine.has_unfinished():
         for _ in range(per_step):
             if pending:
                 i, p = pending.pop(0)
-                engine.add_request(str(i), p, params)
+                engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
         for out in engine.step():
             if out.finished:
                 final[int(out.request_id)] = out

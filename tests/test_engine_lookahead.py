@@ -149,17 +149,7 @@ def test_mixed_requests_with_staggered_arrivals_and_eos(make):
     engines = {}
     for async_on in (False, True):
         engine = engines[async_on] = make(async_on, eos=eos, seqs=8)
-        pending = list(enumerate(prompts))
-        final = {}
-        while pending or engine.has_unfinished():
-            for _ in range(2):
-                if pending:
-                    i, p = pending.pop(0)
-                    engine.add_request(str(i), p, params[i])
-            for out in engine.step():
-                if out.finished:
-                    final[int(out.request_id)] = out
-        results[async_on] = [final[i] for i in range(len(prompts))]
+        results[async_on] = run_staggered(engine, prompts, params, per_step=2)
         assert_all_free(engine)
     assert_same(results[True], results[False])
     assert engines[True].num_lookahead_steps > 0 and engines[False].num_lookahead_steps == 0
@@ -226,17 +216,7 @@ def test_preemption_pressure(make, cpu_blocks):
     runs = []
     for async_on in (False, True):
         engine = make(async_on, budget=16, blocks=12, cpu_blocks=cpu_blocks, seqs=8)
-        pending = list(enumerate(prompts))
-        final = {}
-        while pending or engine.has_unfinished():
-            for _ in range(4):
-                if pending:
-                    i, p = pending.pop(0)
-                    engine.add_request(str(i), p, params[i])
-            for out in engine.step():
-                if out.finished:
-                    final[int(out.request_id)] = out
-        runs.append([final[i] for i in range(12)])
+        runs.append(run_staggered(engine, prompts, params, per_step=4))
         stats = engine.stats()
         assert stats["num_preemptions"] > 0
         assert (stats["num_preemptions_swap"] > 0) == (cpu_blocks > 0)
