@@ -176,8 +176,7 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
         group = RequestGroup(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
-                             arrival_time=arrival_time, seed=self._rng.getrandbits(63))
-        group.final_only = final_only
+                             arrival_time=arrival_time, seed=self._rng.getrandbits(63), final_only=final_only)
         self.scheduler.add_group(group)
 
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -123,6 +123,7 @@ class RequestGroup:
         lora_id: int = 0,
         arrival_time: float | None = None,
         seed: int = 0,
+        final_only: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -136,7 +137,7 @@ class RequestGroup:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs: list[Sequence] = [Sequence(self, 0)]
         self.num_pending_forks = params.n - 1
-        self.final_only = False  # outputs only when finished (LLMEngine.add_request)
+        self.final_only = final_only  # outputs only when finished (LLMEngine.add_request)
         self.prompt_logprobs: list[StepLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
