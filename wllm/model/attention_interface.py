@@ -7,10 +7,12 @@ to which sequence, where their K/V go (contiguous per-sequence tensors in tests,
 in the engine) and computes attention over everything cached so far plus the new tokens.
 
 Layers with rotary embeddings call `attend_with_rotary(ctx, layer_idx, q, k, v, positions,
-rotary, ...)` instead. A context may implement the optional `attend_rotary` method (see
-`RotaryAttentionContext`) to rotate and store in one step (the CUDA context fuses the rotary
-kernel into the KV-cache write); any other context gets `rotary(positions, q, k)` followed by
-`attend`, so a context that only has `attend` keeps working unchanged.
+rotary, ...)` instead. A context may implement the optional method `attend_rotary(layer_idx, q, k,
+v, positions, rotary, **same keywords as attend)` to rotate and store in one step (the CUDA context
+fuses the rotary kernel into the KV-cache write; it may read `rotary`'s cos/sin table and style);
+any other context gets `rotary(positions, q, k)` followed by `attend`, so a context that only has
+`attend` keeps working unchanged. Either way q may be rotated in place and k must not be read
+afterwards.
 
 Shapes: q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]; the result is
 [T, num_heads, head_dim]. Tokens of one sequence are contiguous in T and in position order.
@@ -43,32 +45,6 @@ class AttentionContext(Protocol):
 
         `sliding_window` = W means a query at position p sees keys at positions > p - W
         (HF semantics). `logit_softcap` = c applies c * tanh(scores / c) before softmax.
-        """
-        ...
-
-
-class RotaryAttentionContext(AttentionContext, Protocol):
-    """A context that also applies the rotary embedding itself (optional; see attend_with_rotary)."""
-
-    def attend_rotary(
-        self,
-        layer_idx: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-        *,
-        scale: float,
-        causal: bool = True,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> torch.Tensor:
-        """Same result as `rotary(positions, q, k)` then `attend(...)`.
-
-        `rotary` is the model's `RotaryEmbedding` (a context may read its cos/sin table and style
-        to fuse the rotation into the KV write). q may be rotated in place; k may or may not be, so
-        the caller must not read k afterwards.
         """
         ...
 
