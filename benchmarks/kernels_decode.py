@@ -19,6 +19,7 @@ context.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -88,8 +89,13 @@ def main() -> int:
         rows.append((f"splits {label}", ms))
     ms = time_ms(graphed(run(0, workspace_for(0))))
     rows.append(("splits auto, CUDA graph", ms))
+    with fma_kernel():
+        rows.append(("splits auto, graph, FMA kernel", time_ms(graphed(run(0, workspace_for(0))))))
     rows = [(label, ms, nbytes) for label, ms in rows]
     rows.append(medium_row(dtype, hq, hkv, d, bs))
+    with fma_kernel():
+        label, ms, medium_bytes = medium_row(dtype, hq, hkv, d, bs)
+        rows.append((label + ", FMA kernel", ms, medium_bytes))
 
     print(f"paged decode attention: batch {b} x context {ctx}, {hq} q / {hkv} kv heads, head size {d}, "
           f"{args.dtype}, block size {bs} (scattered); {nbytes / 1e9:.3f} GB of KV + q/out per call; "
@@ -126,6 +132,16 @@ def main() -> int:
 
 
 MEDIUM_BATCH, MEDIUM_CONTEXTS, MEDIUM_MAX_LEN = 240, (512, 640), 4096
+
+
+@contextlib.contextmanager
+def fma_kernel():
+    """Decode attention on the FMA kernel (sm_7x, fp32, head size 256 use it) instead of tensor cores."""
+    previous = kernels.set_decode_mma(False)
+    try:
+        yield
+    finally:
+        kernels.set_decode_mma(previous)
 
 
 def medium_row(dtype: torch.dtype, hq: int, hkv: int, d: int, bs: int) -> tuple[str, float, int]:
@@ -171,14 +187,16 @@ def latency_table(dtype: torch.dtype, layers: int, contexts: tuple[int, ...] = (
     results = []
     print(f"\nlatency: batch 1, graph captured for max_seq_len {max_len}, {layers} calls per graph "
           f"(one per layer), block size {block_size}; target <= {LATENCY_TARGET_US:.0f} us per layer")
-    print(f"{'model heads':<28}{'context':>8}{'grid splits':>12}{'hot us':>9}{'cold us':>9}{'floor us':>10}"
-          f"{'max err':>10}")
+    print(f"{'model heads':<28}{'context':>8}{'grid splits':>12}{'hot us':>9}{'cold us':>9}{'FMA hot':>9}"
+          f"{'floor us':>10}{'max err':>10}")
     for name, hq, hkv, d in LATENCY_LAYOUTS:
         for ctx in contexts:
             row = _latency_row(dtype, layers, hq, hkv, d, ctx, max_len, block_size, flush)
+            with fma_kernel():
+                row["fma_hot_us"] = _latency_row(dtype, layers, hq, hkv, d, ctx, max_len, block_size, flush)["hot_us"]
             label = f"{name} {hq}/{hkv} D={d}"
             print(f"{label:<28}{ctx:>8}{row['grid_splits']:>12}{row['hot_us']:>9.2f}{row['cold_us']:>9.2f}"
-                  f"{row['floor_us']:>10.3f}{row['max_err']:>10.1e}")
+                  f"{row['fma_hot_us']:>9.2f}{row['floor_us']:>10.3f}{row['max_err']:>10.1e}")
             results.append({"model": name, "context": ctx, **row})
     return results
 

@@ -8,7 +8,11 @@ write (weights, block tables, older K/V rows) while that predecessor finishes. R
 layer; floor = the layer's weight and KV bytes at the H200's copy bandwidth. Outputs of the two graphs
 are checked to be bit-identical.
 
-    python benchmarks/kernels_pdl.py [--context 128] [--layers 24] [--json]
+With `--ablate`, the PDL-on chain is also timed with each kernel left out in turn (its output replaced by a
+tensor made before the graph): the difference to the whole chain is what that kernel adds to a layer
+(its own time less what PDL hides of it), which per-kernel profiler durations do not show under PDL.
+
+    python benchmarks/kernels_pdl.py [--context 128] [--layers 24] [--ablate] [--json]
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ SHAPES = {"qwen2.5-0.5b": (896, 14, 2, 64, 4864, True), "llama-3.1-8b": (4096, 3
 BLOCK = 16
 
 
-def case(name: str, context: int, layers: int) -> dict:
+KERNELS = ("norm_in", "qkv", "rope_cache", "attention", "o", "norm_post", "gate_up", "down")
+
+
+def case(name: str, context: int, layers: int, ablate: bool = False) -> dict:
     """Time one shape's chain with PDL off and on; returns one result row."""
     hidden, hq, hkv, d, inter, bias = SHAPES[name]
     dt, dev = torch.bfloat16, "cuda"
@@ -55,18 +62,28 @@ def case(name: str, context: int, layers: int) -> dict:
     workspace = torch.zeros(max((ws + 3) // 4, 1), device=dev, dtype=torch.float32)
     x0 = torch.randn(1, hidden, device=dev, dtype=dt)
 
-    def step() -> torch.Tensor:
+    # Stand-ins for a left-out kernel's output (ablation).
+    qkv_fixed = torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+    attn_fixed = torch.randn(1, hq, d, device=dev, dtype=dt)
+    gate_up_fixed = torch.randn(1, 2 * inter, device=dev, dtype=dt)
+
+    def step(skip: str | None = None) -> torch.Tensor:
         x, residual = x0.clone(), torch.zeros_like(x0)
         for lw in weights:
-            kernels.fused_add_rms_norm(x, residual, lw["norm_in"], 1e-6)
-            qkv = kernels.gemv(x, lw["qkv"], lw["qkv_bias"])
+            if skip != "norm_in":
+                kernels.fused_add_rms_norm(x, residual, lw["norm_in"], 1e-6)
+            qkv = qkv_fixed if skip == "qkv" else kernels.gemv(x, lw["qkv"], lw["qkv_bias"])
             q, k, v = (t.view(1, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
-            kernels.rotary_and_cache(positions, q, k, v, lw["k_cache"], lw["v_cache"], slots, cos_sin, True)
-            attn = kernels.paged_decode_attention(q, lw["k_cache"], lw["v_cache"], tables, seq_lens, d**-0.5,
-                                                  max_seq_len=max_seq_len, workspace=workspace)
-            x = kernels.gemv(attn.view(1, hq * d), lw["o"])
-            kernels.fused_add_rms_norm(x, residual, lw["norm_post"], 1e-6)
-            x = kernels.gemv(kernels.gemv(x, lw["gate_up"]), lw["down"], activation="silu")
+            if skip != "rope_cache":
+                kernels.rotary_and_cache(positions, q, k, v, lw["k_cache"], lw["v_cache"], slots, cos_sin, True)
+            attn = attn_fixed if skip == "attention" else kernels.paged_decode_attention(
+                q, lw["k_cache"], lw["v_cache"], tables, seq_lens, d**-0.5, max_seq_len=max_seq_len,
+                workspace=workspace)
+            x = x if skip == "o" else kernels.gemv(attn.reshape(1, hq * d), lw["o"])
+            if skip != "norm_post":
+                kernels.fused_add_rms_norm(x, residual, lw["norm_post"], 1e-6)
+            gate_up = gate_up_fixed if skip == "gate_up" else kernels.gemv(x, lw["gate_up"])
+            x = x if skip == "down" else kernels.gemv(gate_up, lw["down"], activation="silu")
         return x
 
     us, outs = {}, {}
@@ -78,23 +95,30 @@ def case(name: str, context: int, layers: int) -> dict:
             kernels.set_pdl(previous)
         us[label] = cuda_time_ms(graph.replay, warmup=5, iters=50) * 1e3 / layers
         outs[label] = out.clone()
+    marginal = {}
+    if ablate:
+        for kernel in KERNELS:
+            graph, _ = capture_graph(lambda kernel=kernel: step(kernel))
+            marginal[kernel] = us["on"] - cuda_time_ms(graph.replay, warmup=5, iters=50) * 1e3 / layers
     lw = weights[0]
     nbytes = sum(t.numel() * t.element_size() for key, t in lw.items() if t is not None and "cache" not in key)
     nbytes += 2 * context * hkv * d * 2  # K and V rows read
     return {"shape": name, "context": context, "pdl_off_us": us["off"], "pdl_on_us": us["on"], "bytes": nbytes,
-            "floor_us": nbytes / H200.bandwidth * 1e6, "identical": bool(torch.equal(outs["off"], outs["on"]))}
+            "floor_us": nbytes / H200.bandwidth * 1e6, "identical": bool(torch.equal(outs["off"], outs["on"])),
+            "marginal_us": marginal}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=128, help="tokens of context, the new one included")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers per captured graph")
+    parser.add_argument("--ablate", action="store_true", help="also time the chain with each kernel left out")
     parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
     args = parser.parse_args()
     if not torch.cuda.is_available() or not kernels.available():
         raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
     torch.manual_seed(0)
-    rows = [case(name, args.context, args.layers) for name in SHAPES]
+    rows = [case(name, args.context, args.layers, args.ablate) for name in SHAPES]
     print(f"batch-1 decode layer (8 kernels), bf16, context {args.context}, CUDA graph of {args.layers} layers; "
           f"floor = weight + KV bytes at {H200.bandwidth / 1e9:,.0f} GB/s")
     print(f"{'shape':<14}{'PDL off us':>12}{'PDL on us':>11}{'saved us':>10}{'floor us':>10}{'on/floor':>10}"
@@ -103,6 +127,11 @@ def main() -> int:
         saved = r["pdl_off_us"] - r["pdl_on_us"]
         print(f"{r['shape']:<14}{r['pdl_off_us']:>12.2f}{r['pdl_on_us']:>11.2f}{saved:>10.2f}{r['floor_us']:>10.2f}"
               f"{r['pdl_on_us'] / r['floor_us']:>9.2f}x{str(r['identical']):>11}")
+    if args.ablate:
+        print("\nwhat each kernel adds to a layer with PDL on (us): whole chain minus the chain without it")
+        print(f"{'shape':<14}" + "".join(f"{k:>11}" for k in KERNELS))
+        for r in rows:
+            print(f"{r['shape']:<14}" + "".join(f"{r['marginal_us'][k]:>11.2f}" for k in KERNELS))
     if args.json:
         print(json.dumps({"context": args.context, "layers": args.layers, "rows": rows}))
     return 0 if all(r["identical"] for r in rows) else 1

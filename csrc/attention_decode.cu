@@ -26,6 +26,10 @@
 #include <limits.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -101,6 +105,7 @@ __device__ __forceinline__ void to_float(const Vec<T, VEC>& in, float* out) {
 template <typename T, int D, int GQ>
 struct Tiling {
   using L = Layout<T, D, GQ>;
+  static constexpr int THREADS = kThreads, WARPS = kWarps;
   static constexpr int kElem = (int)sizeof(T);
   static constexpr int ROW_BYTES = D * kElem + (L::LPT < 8 ? L::LPT * L::VEC * kElem : 16);
   static constexpr int PASS = kWarps * L::TPW;  // tokens the CTA covers in one pass
@@ -194,42 +199,308 @@ __device__ __forceinline__ int active_splits(int span, int splits, int unit, int
   return (span + st - 1) / st;
 }
 
-// Block-table entries stream through shared memory in windows of kIdWindow entries (two slots), loaded
-// one window ahead into a register of each thread, so that issuing a tile never waits on a global load
-// of its block ids (under full bandwidth load that round trip, once per tile, set the pace).
-constexpr int kIdWindowShift = 7;
-constexpr int kIdWindow = 1 << kIdWindowShift;
-static_assert(kIdWindow == kThreads, "one table entry per thread per window");
+// Block-table entries stream through shared memory in windows of THREADS entries (two slots, one entry
+// per thread), loaded one window ahead into a register of each thread, so that issuing a tile never
+// waits on a global load of its block ids (under full bandwidth load that round trip, once per tile,
+// set the pace). A tile spans far fewer entries than a window.
+template <int THREADS>
+struct IdWindow {
+  static constexpr int SHIFT = THREADS == 128 ? 7 : 6;
+  static_assert((1 << SHIFT) == THREADS, "windows of 64 or 128 entries");
+};
 
-// This thread's entry of window w: table index tb0 + w * kIdWindow + threadIdx.x, 0 past the span's last
+// This thread's entry of window w: table index tb0 + w * THREADS + threadIdx.x, 0 past the span's last
 // block (the row may end there: never read past it).
+template <int THREADS>
 __device__ __forceinline__ int load_window(const int32_t* table, int tb0, int tb_last, int w) {
-  const int idx = tb0 + w * kIdWindow + (int)threadIdx.x;
+  const int idx = tb0 + w * THREADS + (int)threadIdx.x;
   return idx <= tb_last ? __ldg(table + idx) : 0;
 }
 
-// Issues the cp.async copies of one K/V tile: chunk c = threadIdx.x + i * kThreads of the tile is
+// Block id of table row r (relative to tb0) from the window slots.
+template <int THREADS>
+__device__ __forceinline__ int window_id(const int (*ids)[THREADS], int r) {
+  return ids[(r >> IdWindow<THREADS>::SHIFT) & 1][r & (THREADS - 1)];
+}
+
+// Issues the cp.async copies of one K/V tile: chunk c = threadIdx.x + i * THREADS of the tile is
 // row c / CPR, 16-byte column c % CPR; the row's block id comes from the shared-memory window slots.
-// The row of position skip_pos (-1: none) is left out (see the PDL note in the kernel).
-template <typename T, int D, int GQ>
+// The row of position skip_pos (-1: none) is left out (see the PDL note in the kernel). Rows past `end`
+// are never read from global memory; with ZERO_TAIL they are zero-filled in shared memory (the tensor-core
+// kernel multiplies whole 16-row slices, and 0 * garbage may be NaN), otherwise left as they are.
+template <typename TL, bool ZERO_TAIL, typename T>
 __device__ __forceinline__ void issue_tile(unsigned char* stage, const T* k_cache, const T* v_cache,
-                                           const int (*ids)[kIdWindow], int tb0, int tile0, int end,
+                                           const int (*ids)[TL::THREADS], int tb0, int tile0, int end,
                                            const Params& p, int block_mask, int skip_pos) {
-  using TL = Tiling<T, D, GQ>;
   constexpr int kPerChunk = 16 / (int)sizeof(T);
 #pragma unroll
   for (int i = 0; i < TL::NCH; ++i) {
-    const int c = threadIdx.x + i * kThreads;
+    const int c = threadIdx.x + i * TL::THREADS;
     const int row = c / TL::CPR, col = c - row * TL::CPR;
     const int pos = tile0 + row;
-    if (c < TL::TT * TL::CPR && pos < end && pos != skip_pos) {
-      const int r = (pos >> p.block_shift) - tb0;
-      const int id = ids[(r >> kIdWindowShift) & 1][r & (kIdWindow - 1)];
-      const int64_t off = (int64_t)id * p.block_stride + (int64_t)(pos & block_mask) * p.token_stride +
-                          col * kPerChunk;
-      unsigned char* dst = stage + row * TL::ROW_BYTES + col * 16;
-      cp_async16(dst, k_cache + off);
-      cp_async16(dst + TL::TT * TL::ROW_BYTES, v_cache + off);
+    if (c >= TL::TT * TL::CPR) continue;
+    unsigned char* dst = stage + row * TL::ROW_BYTES + col * 16;
+    if (pos < end) {
+      if (pos != skip_pos) {
+        const int id = window_id<TL::THREADS>(ids, (pos >> p.block_shift) - tb0);
+        const int64_t off = (int64_t)id * p.block_stride + (int64_t)(pos & block_mask) * p.token_stride +
+                            col * kPerChunk;
+        cp_async16(dst, k_cache + off);
+        cp_async16(dst + TL::TT * TL::ROW_BYTES, v_cache + off);
+      }
+    } else if (ZERO_TAIL) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(dst + TL::TT * TL::ROW_BYTES) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+}
+
+// What one CTA covers: blockIdx.x = sequence * (KV heads x chunks) + KV-head chunk, so the CTAs of one
+// sequence's heads are launched together and read the interleaved head rows of the same cache blocks at
+// about the same time (DRAM pages opened once rather than once per wave); blockIdx.z = split.
+struct Work {
+  int seq, kv_head, head0, heads, split;
+  int seq_len, begin, end, n_active;
+};
+
+// PDL (see common.cuh): seq_lens comes from a memory copy, so it is read before pdl_wait(). Returns false
+// when this CTA has nothing to attend (after waiting, and after writing zeros for an empty sequence: a
+// graph padding row gets zeros, never uninitialised memory).
+template <typename T, int D, int THREADS>
+__device__ __forceinline__ bool plan_work(const Params& p, Work& w) {
+  const int pairs = p.num_kv_heads * p.chunks;
+  w.seq = (int)blockIdx.x / pairs;
+  const int hc = (int)blockIdx.x - w.seq * pairs;
+  w.kv_head = hc / p.chunks;
+  const int g0 = (hc - w.kv_head * p.chunks) * p.per_chunk;
+  w.heads = min(p.per_chunk, p.group - g0);  // query heads this CTA serves
+  w.head0 = w.kv_head * p.group + g0;
+  w.split = blockIdx.z;
+  w.seq_len = max(p.seq_lens[w.seq], 0);
+  const int lo = p.window > 0 ? max(0, w.seq_len - p.window) : 0;
+  const int span = w.seq_len - lo;
+  w.n_active = active_splits(span, p.splits, p.split_unit, p.single_max);
+  if (w.n_active == 0 || w.split >= w.n_active) {
+    pdl_wait();
+    if (w.n_active == 0 && w.split == 0) {
+      T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride;
+      for (int i = threadIdx.x; i < w.heads * D; i += THREADS) {
+        out[(int64_t)(w.head0 + i / D) * p.out_head_stride + i % D] = Conv<T>::from_float(0.0f);
+      }
+    }
+    return false;  // an empty sequence, or an idle split: no tokens, no ticket
+  }
+  w.begin = lo;
+  w.end = w.seq_len;
+  if (w.n_active > 1) {
+    const int st = seq_split_tokens(span, p.splits, p.split_unit);
+    w.begin = lo + w.split * st;
+    w.end = min(w.seq_len, w.begin + st);
+  }
+  return true;
+}
+
+// The K/V pipeline of one CTA: block-id windows and the tile copies ahead of the one being computed.
+template <typename TL, bool ZERO_TAIL, typename T>
+struct Pipeline {
+  const T* k_cache;
+  const T* v_cache;
+  const int32_t* table;
+  int tb0, tb_last, block_mask, begin, end, num_tiles;
+  int have;         // the highest window held in s_ids (window w sits in slot w & 1)
+  int next_window;  // this thread's entry of window have + 1
+
+  // Block-id windows 0 and 1 (one round trip; window 2 stays in flight in a register), then the copies
+  // of the first S - 1 tiles, which lie within windows 0 and 1; then pdl_wait() and the newest row.
+  // The newest row may still be being written by the previous kernel: the prologue tiles leave it out and
+  // it is loaded after pdl_wait() (one 16-byte chunk of its K and V rows per thread, an L2 load stored
+  // straight into its stage; the __syncthreads at the top of the tile loop publishes it with the
+  // cp.async data). Tiles issued in the main loop come after the wait.
+  __device__ __forceinline__ void start(const Params& p, const Work& w, unsigned char* smem,
+                                        int (*s_ids)[TL::THREADS]) {
+    k_cache = static_cast<const T*>(p.k_cache) + (int64_t)w.kv_head * p.head_stride;
+    v_cache = static_cast<const T*>(p.v_cache) + (int64_t)w.kv_head * p.head_stride;
+    table = p.block_tables + (int64_t)w.seq * p.block_table_stride;
+    block_mask = (1 << p.block_shift) - 1;
+    begin = w.begin;
+    end = w.end;
+    num_tiles = (end - begin + TL::TT - 1) / TL::TT;
+    tb0 = begin >> p.block_shift;
+    tb_last = (end - 1) >> p.block_shift;
+    have = 1;
+    {
+      const int w0 = load_window<TL::THREADS>(table, tb0, tb_last, 0);
+      const int w1 = load_window<TL::THREADS>(table, tb0, tb_last, 1);
+      next_window = load_window<TL::THREADS>(table, tb0, tb_last, 2);
+      s_ids[0][threadIdx.x] = w0;
+      s_ids[1][threadIdx.x] = w1;
+    }
+    __syncthreads();
+    const int newest = w.seq_len - 1;
+#pragma unroll
+    for (int s = 0; s < TL::S - 1; ++s) {
+      if (s < num_tiles) {
+        issue_tile<TL, ZERO_TAIL>(smem + s * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, begin + s * TL::TT, end,
+                                  p, block_mask, newest);
+      }
+      cp_async_commit();  // empty groups keep the group count uniform
+    }
+    pdl_wait();
+    const int t_new = (newest - begin) / TL::TT;  // tile of the newest row when this CTA covers it
+    if (newest >= begin && newest < end && t_new < TL::S - 1 && (int)threadIdx.x < TL::CPR) {
+      constexpr int kPerChunk = 16 / (int)sizeof(T);
+      const int id = window_id<TL::THREADS>(s_ids, (newest >> p.block_shift) - tb0);
+      const int64_t off = (int64_t)id * p.block_stride + (int64_t)(newest & block_mask) * p.token_stride +
+                          (int)threadIdx.x * kPerChunk;
+      unsigned char* dst = smem + t_new * TL::STAGE_BYTES + (newest - begin - t_new * TL::TT) * TL::ROW_BYTES +
+                           threadIdx.x * 16;
+      *reinterpret_cast<uint4*>(dst) = __ldcg(reinterpret_cast<const uint4*>(k_cache + off));
+      *reinterpret_cast<uint4*>(dst + TL::TT * TL::ROW_BYTES) = __ldcg(reinterpret_cast<const uint4*>(v_cache + off));
+    }
+  }
+
+  // Top of tile j: waits for it (this thread's copies, then everyone's: all threads are also done with
+  // tile j - 1), then issues tile j + S - 1 into the stage tile j - 1 used.
+  __device__ __forceinline__ void advance(int j, const Params& p, unsigned char* smem, int (*s_ids)[TL::THREADS]) {
+    cp_async_wait<TL::S - 2>();
+    __syncthreads();
+    if (j + TL::S - 1 < num_tiles) {
+      const int tile_in = begin + (j + TL::S - 1) * TL::TT;
+      const int last_window = (((min(end, tile_in + TL::TT) - 1) >> p.block_shift) - tb0) >> IdWindow<TL::THREADS>::SHIFT;
+      if (last_window > have) {
+        // The tile reaches the next window (uniform over the CTA; one step at most). Its slot held window
+        // have - 1, whose last reader issued before the __syncthreads above; the register was loaded a
+        // whole window of tiles ago.
+        s_ids[(have + 1) & 1][threadIdx.x] = next_window;
+        __syncthreads();
+        ++have;
+        next_window = load_window<TL::THREADS>(table, tb0, tb_last, have + 1);
+      }
+      issue_tile<TL, ZERO_TAIL>(smem + ((j + TL::S - 1) % TL::S) * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0,
+                                tile_in, end, p, block_mask, -1);
+    }
+    cp_async_commit();
+  }
+};
+
+// End of a CTA: s_acc [WARPS][GQ][D] holds each warp's unnormalised output and s_m / s_l [WARPS][GQ] its
+// running (max, sum) per head. The warps are combined; a CTA that covers the whole span writes the
+// output, a split writes its normalised partial and (max, sum), and with the fused merge the last split
+// CTA of a (sequence, KV-head chunk) to finish -- an atomic ticket in the workspace that this CTA resets
+// to zero, so CUDA graph replays find it zero again -- merges all partials and writes the output.
+template <typename T, int D, int GQ, typename TL>
+__device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned char* smem, const float* s_m,
+                                       const float* s_l, int* s_last) {
+  const float* s_acc = reinterpret_cast<const float*>(smem);
+  const bool direct = w.n_active == 1;  // this CTA holds the whole span: write the output itself
+  const int64_t row_base = ((int64_t)w.seq * p.num_heads + w.head0) * p.splits + w.split;
+  for (int i = threadIdx.x; i < w.heads * D; i += TL::THREADS) {
+    const int h = i / D, d = i - h * D;
+    float m = -INFINITY;
+#pragma unroll
+    for (int ww = 0; ww < TL::WARPS; ++ww) m = fmaxf(m, s_m[ww * GQ + h]);
+    float o = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < TL::WARPS; ++ww) {
+      const float f = s_m[ww * GQ + h] == -INFINITY ? 0.0f : __expf(s_m[ww * GQ + h] - m);
+      o += s_acc[(ww * GQ + h) * D + d] * f;
+      sum += s_l[ww * GQ + h] * f;
+    }
+    o = sum > 0.0f ? o / sum : 0.0f;
+    if (direct) {
+      T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride + (int64_t)(w.head0 + h) * p.out_head_stride;
+      out[d] = Conv<T>::from_float(o);
+    } else {
+      const int64_t row = row_base + (int64_t)h * p.splits;
+      p.partial_out[row * D + d] = o;
+      if (d == 0) {
+        p.partial_stats[row * 2] = m;
+        p.partial_stats[row * 2 + 1] = sum;
+      }
+    }
+  }
+  if (direct || !p.fused) return;
+
+  // ---- fused merge: the last split CTA of this (sequence, KV-head chunk) combines them all ------
+  __threadfence();  // this thread's partials are visible device-wide before the ticket is taken
+  __syncthreads();
+  unsigned int* counter = p.counters + blockIdx.x;  // one ticket per (sequence, KV-head chunk)
+  if (threadIdx.x == 0) {
+    const unsigned int ticket = atomicAdd(counter, 1u);
+    *s_last = ticket == (unsigned int)(w.n_active - 1);
+    if (*s_last) *counter = 0u;  // every active split has arrived: leave it zero for the next call
+  }
+  __syncthreads();
+  if (!*s_last) return;
+  __threadfence();
+  // The partials of up to kChunk splits are copied into the (now idle) stage memory all at once --
+  // every 16-byte piece its own cp.async, the (max, sum) pairs plain loads in flight alongside -- so a
+  // merge costs one L2 round trip per kChunk splits (a loop over splits per output element, one element
+  // after another, made that chain n_active * heads * D / TL::THREADS loads long).
+  constexpr int kQuads = D / 4;
+  constexpr int kChunk = TL::SMEM_BYTES / ((GQ * D + 2 * GQ) * (int)sizeof(float));
+  static_assert(kChunk >= 1 && D % 4 == 0, "merge staging");
+  constexpr int R = (GQ * D + TL::THREADS - 1) / TL::THREADS;
+  float* s_po = reinterpret_cast<float*>(smem);  // [kChunk][GQ][D] partial outputs
+  float* s_st = s_po + kChunk * GQ * D;          // [kChunk][GQ][2] (max, sum)
+  const int64_t row0 = ((int64_t)w.seq * p.num_heads + w.head0) * p.splits;
+  float m[R], l[R], o[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+    o[r] = 0.0f;
+  }
+  for (int sp0 = 0; sp0 < w.n_active; sp0 += kChunk) {
+    const int nc = min(kChunk, w.n_active - sp0);
+    for (int c = threadIdx.x; c < w.heads * nc * kQuads; c += TL::THREADS) {
+      const int hs = c / kQuads, q4 = c - hs * kQuads;
+      const int h = hs / nc, sp = hs - h * nc;
+      // cp.async.cg reads L2, where the other CTAs' partials are (never a stale L1 line).
+      const int64_t row = row0 + (int64_t)h * p.splits + sp0 + sp;
+      cp_async16(s_po + (sp * GQ + h) * D + q4 * 4, p.partial_out + row * D + q4 * 4);
+    }
+    cp_async_commit();
+    for (int c = threadIdx.x; c < w.heads * nc; c += TL::THREADS) {
+      const int h = c / nc, sp = c - h * nc;
+      const int64_t row = row0 + (int64_t)h * p.splits + sp0 + sp;
+      const float2 st = __ldcg(reinterpret_cast<const float2*>(p.partial_stats) + row);
+      s_st[(sp * GQ + h) * 2] = st.x;
+      s_st[(sp * GQ + h) * 2 + 1] = st.y;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int i = threadIdx.x + r * TL::THREADS;
+      if (i < w.heads * D) {
+        const int h = i / D, d = i - h * D;
+        // Rescale once per chunk to its max, so the loop over splits is a plain FMA chain (the exps
+        // are independent of each other).
+        float m_new = m[r];
+        for (int sp = 0; sp < nc; ++sp) m_new = fmaxf(m_new, s_st[(sp * GQ + h) * 2]);
+        const float f = m[r] == -INFINITY ? 0.0f : __expf(m[r] - m_new);
+        float o_r = o[r] * f, l_r = l[r] * f;
+        for (int sp = 0; sp < nc; ++sp) {
+          const float m_i = s_st[(sp * GQ + h) * 2], s_i = s_st[(sp * GQ + h) * 2 + 1];
+          const float w = m_i == -INFINITY ? 0.0f : s_i * __expf(m_i - m_new);
+          o_r = fmaf(w, s_po[(sp * GQ + h) * D + d], o_r);
+          l_r += w;
+        }
+        o[r] = o_r;
+        l[r] = l_r;
+        m[r] = m_new;
+      }
+    }
+    __syncthreads();  // the next chunk's copies overwrite the staging
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int i = threadIdx.x + r * TL::THREADS;
+    if (i < w.heads * D) {
+      const int h = i / D, d = i - h * D;
+      T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride + (int64_t)(w.head0 + h) * p.out_head_stride;
+      out[d] = Conv<T>::from_float(l[r] > 0.0f ? o[r] / l[r] : 0.0f);
     }
   }
 }
@@ -244,104 +515,23 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
 
   __shared__ __align__(16) unsigned char smem[TL::SMEM_BYTES];
   __shared__ float s_m[kWarps][GQ], s_l[kWarps][GQ];
-  __shared__ int s_ids[2][kIdWindow];
+  __shared__ int s_ids[2][kThreads];
   __shared__ int s_last;
 
-  // blockIdx.x = sequence * (KV heads x chunks) + KV-head chunk: the CTAs of one sequence's heads are
-  // launched together, so they read the interleaved head rows of the same cache blocks at about the
-  // same time (DRAM pages opened once rather than once per wave).
-  const int pairs = p.num_kv_heads * p.chunks;
-  const int seq = (int)blockIdx.x / pairs;
-  const int hc = (int)blockIdx.x - seq * pairs;
-  const int kv_head = hc / p.chunks;
-  const int g0 = (hc - kv_head * p.chunks) * p.per_chunk;
-  const int heads = min(p.per_chunk, p.group - g0);  // query heads this CTA serves (<= GQ)
-  const int head0 = kv_head * p.group + g0;
-  const int split = blockIdx.z;
+  pdl_launch_dependents();  // early trigger: see common.cuh
+  Work w;
+  if (!plan_work<T, D, kThreads>(p, w)) return;
+  const int heads = w.heads, head0 = w.head0, seq = w.seq, begin = w.begin, end = w.end;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int li = lane % LPT;   // lane within its token group
   const int tig = lane / LPT;  // token group within the warp
   const int gbase = tig * LPT;  // first lane of the group
 
-  // PDL (see common.cuh): seq_lens, the block table and every K/V row but the newest are written by
-  // host->device copies or by kernels older than the previous one, so they are read before pdl_wait();
-  // q and the newest K/V row (position seq_len - 1, just written by rotary_and_cache / reshape_and_cache)
-  // only after it, as is every write. Every path below reaches pdl_wait().
-  const int seq_len = max(p.seq_lens[seq], 0);
-  const int lo = p.window > 0 ? max(0, seq_len - p.window) : 0;
-  const int span = seq_len - lo;
-  const int n_active = active_splits(span, p.splits, p.split_unit, p.single_max);
-  if (n_active == 0 || split >= n_active) {
-    pdl_wait();
-    pdl_launch_dependents();
-  }
-  if (n_active == 0) {
-    // Empty sequence (a graph padding row): zeros, never uninitialised memory; split 0 writes them.
-    if (split == 0) {
-      T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride;
-      for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-        out[(int64_t)(head0 + i / D) * p.out_head_stride + i % D] = Conv<T>::from_float(0.0f);
-      }
-    }
-    return;
-  }
-  if (split >= n_active) return;  // an idle split: no tokens, no ticket
-  int begin = lo, end = seq_len;
-  if (n_active > 1) {
-    const int st = seq_split_tokens(span, p.splits, p.split_unit);
-    begin = lo + split * st;
-    end = min(seq_len, begin + st);
-  }
-  const int num_tiles = (end - begin + TT - 1) / TT;
-
-  const T* k_cache = static_cast<const T*>(p.k_cache) + (int64_t)kv_head * p.head_stride;
-  const T* v_cache = static_cast<const T*>(p.v_cache) + (int64_t)kv_head * p.head_stride;
-  const int32_t* table = p.block_tables + (int64_t)seq * p.block_table_stride;
-  const int block_mask = (1 << p.block_shift) - 1;
-
-  // ---- pipeline prologue: block-id windows 0 and 1 (one round trip; window 2 stays in flight in a
-  // register), then the copies of the first S - 1 tiles, which lie within windows 0 and 1 ----------
-  const int tb0 = begin >> p.block_shift;
-  const int tb_last = (end - 1) >> p.block_shift;
-  int have = 1;  // the highest window held in s_ids (window w sits in slot w & 1)
-  int next_window;
-  {
-    const int w0 = load_window(table, tb0, tb_last, 0);
-    const int w1 = load_window(table, tb0, tb_last, 1);
-    next_window = load_window(table, tb0, tb_last, 2);
-    s_ids[0][threadIdx.x] = w0;
-    s_ids[1][threadIdx.x] = w1;
-  }
-  __syncthreads();
-  // The newest row may still be being written by the previous kernel: the prologue tiles leave it out
-  // and it is copied below, after pdl_wait(). (Tiles issued in the main loop come after the wait.)
-  const int newest = seq_len - 1;
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    if (s < num_tiles) issue_tile<T, D, GQ>(smem + s * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, begin + s * TT,
-                                            end, p, block_mask, newest);
-    cp_async_commit();  // empty groups keep the group count uniform
-  }
-
-  pdl_wait();
-  pdl_launch_dependents();
-  {
-    const int t_new = (newest - begin) / TT;  // tile of the newest row when this CTA covers it
-    if (newest >= begin && newest < end && t_new < S - 1 && (int)threadIdx.x < TL::CPR) {
-      // One 16-byte chunk of its K and V rows per thread, an L2 load (__ldcg, like cp.async.cg) stored
-      // straight into its prologue stage; the __syncthreads at the top of the tile loop publishes it
-      // together with the cp.async data.
-      constexpr int kPerChunk = 16 / (int)sizeof(T);
-      const int r = (newest >> p.block_shift) - tb0;
-      const int id = s_ids[(r >> kIdWindowShift) & 1][r & (kIdWindow - 1)];
-      const int64_t off = (int64_t)id * p.block_stride + (int64_t)(newest & block_mask) * p.token_stride +
-                          (int)threadIdx.x * kPerChunk;
-      unsigned char* dst = smem + t_new * TL::STAGE_BYTES + (newest - begin - t_new * TT) * TL::ROW_BYTES +
-                           threadIdx.x * 16;
-      *reinterpret_cast<uint4*>(dst) = __ldcg(reinterpret_cast<const uint4*>(k_cache + off));
-      *reinterpret_cast<uint4*>(dst + TL::TT * TL::ROW_BYTES) = __ldcg(reinterpret_cast<const uint4*>(v_cache + off));
-    }
-  }
+  // PDL: the block table and every K/V row but the newest (written by an earlier step) are read before
+  // pdl_wait(); q and the newest row (just written by rotary_and_cache / reshape_and_cache) after it.
+  Pipeline<TL, false, T> pipe;
+  pipe.start(p, w, smem, s_ids);
+  const int num_tiles = pipe.num_tiles;
 
   // q (in flight with the first tiles), padded heads as zeros.
   float qf[GQ][NV][VEC];
@@ -374,24 +564,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
       for (int e = 0; e < VEC; ++e) acc[h][v][e] = 0.0f;
 
   for (int j = 0; j < num_tiles; ++j) {
-    cp_async_wait<S - 2>();  // tile j has landed (for this thread's copies) ...
-    __syncthreads();         // ... and for every thread's; all warps are done with tile j - 1
-    if (j + S - 1 < num_tiles) {
-      const int tile_in = begin + (j + S - 1) * TT;
-      const int last_window = (((min(end, tile_in + TT) - 1) >> p.block_shift) - tb0) >> kIdWindowShift;
-      if (last_window > have) {
-        // The tile reaches the next window (uniform over the CTA; a tile spans far fewer than kIdWindow
-        // entries, so one step). Its slot held window have - 1, whose last reader issued before the
-        // __syncthreads above; the register was loaded a whole window of tiles ago.
-        s_ids[(have + 1) & 1][threadIdx.x] = next_window;
-        __syncthreads();
-        ++have;
-        next_window = load_window(table, tb0, tb_last, have + 1);
-      }
-      issue_tile<T, D, GQ>(smem + ((j + S - 1) % S) * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, tile_in, end,
-                           p, block_mask, -1);
-    }
-    cp_async_commit();
+    pipe.advance(j, p, smem, s_ids);
 
     const unsigned char* k_tile = smem + (j % S) * TL::STAGE_BYTES;
     const unsigned char* v_tile = k_tile + TT * ROW;
@@ -546,117 +719,236 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
   }
   __syncthreads();
 
-  const bool direct = n_active == 1;  // this CTA holds the whole span: write the output itself
-  const int64_t row_base = ((int64_t)seq * p.num_heads + head0) * p.splits + split;
-  for (int i = threadIdx.x; i < heads * D; i += kThreads) {
-    const int h = i / D, d = i - h * D;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, s_m[w][h]);
-    float o = 0.0f, sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = s_m[w][h] == -INFINITY ? 0.0f : __expf(s_m[w][h] - m);
-      o += s_acc[(w * GQ + h) * D + d] * f;
-      sum += s_l[w][h] * f;
-    }
-    o = sum > 0.0f ? o / sum : 0.0f;
-    if (direct) {
-      T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)(head0 + h) * p.out_head_stride;
-      out[d] = Conv<T>::from_float(o);
-    } else {
-      const int64_t row = row_base + (int64_t)h * p.splits;
-      p.partial_out[row * D + d] = o;
-      if (d == 0) {
-        p.partial_stats[row * 2] = m;
-        p.partial_stats[row * 2 + 1] = sum;
-      }
-    }
-  }
-  if (direct || !p.fused) return;
+  finish<T, D, GQ, TL>(p, w, smem, &s_m[0][0], &s_l[0][0], &s_last);
+}
 
-  // ---- fused merge: the last split CTA of this (sequence, KV-head chunk) combines them all ------
-  __threadfence();  // this thread's partials are visible device-wide before the ticket is taken
+// ---- tensor-core kernel (sm_80+, fp16/bf16, head sizes 64-128) ----------------------------------
+// The same pipeline, split and merge as the kernel above; the arithmetic runs on mma.m16n8k16 with the
+// (up to 8) query heads of a CTA as the n = 8 side, which takes ~10x fewer instructions per token than
+// the FMA/shuffle kernel (that one, at 64 sequences x 4,096 tokens, issued on ~72% of cycles and stayed
+// at ~68% of bandwidth). Each of the 2 warps owns 16 tokens of every 32-token tile and keeps its own
+// online softmax; the warps are combined once at the end.
+//  - scores, transposed: S^T[16 tokens x 8 heads] = K[16 x D] q^T, A = K rows by ldmatrix, B = q in
+//    registers (k-step kk: head lane/4, dims 16kk + 2(lane%4) + {0, 1} and + 8);
+//  - the C fragment holds tokens lane/4 and lane/4 + 8 of heads 2(lane%4) + {0, 1}: a head's max is a
+//    shuffle over the 8 lanes that share lane%4; its sum stays per lane until the end;
+//  - P^T packed to 16 bits, each 8x8 half transposed by movmatrix, is exactly the B fragment of
+//    O^T[D x 8 heads] += V^T[D x 16 tokens] P^T (A = V^T by ldmatrix.trans); O^T's C fragment holds the
+//    same two heads per lane as S^T's, so the softmax rescale needs no shuffle.
+constexpr int kMmaThreads = 64;
+constexpr int kMmaHeads = 8;  // query heads per CTA: the n side of the MMA (padded with zero heads)
+
+template <typename T, int D>
+struct MmaTiling {
+  static constexpr int THREADS = kMmaThreads, WARPS = kMmaThreads / 32;
+  // +16 bytes per row: the 8 rows of an 8x8 ldmatrix (16 bytes each) then start 4 banks apart (D = 64,
+  // 128) or at other distinct multiples of 4 banks (D = 80, 96): conflict-free, and cp.async stays aligned.
+  static constexpr int ROW_BYTES = D * 2 + 16;
+  static constexpr int TT = 16 * WARPS;  // each warp takes 16 tokens of a tile
+  static constexpr int STAGE_BYTES = 2 * TT * ROW_BYTES;
+  static constexpr int S = cmin(6, cmax(2, kStageBudget / STAGE_BYTES));
+  static constexpr int CPR = D * 2 / 16;
+  static constexpr int NCH = (TT * CPR + THREADS - 1) / THREADS;
+  static constexpr int UNIT = (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
+  static constexpr int ACC_BYTES = WARPS * kMmaHeads * D * 4;
+  static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);
+  static_assert(D % 16 == 0, "head size must be a multiple of the MMA's k = 16");
+  static_assert(SMEM_BYTES <= 44 * 1024, "static shared memory must stay under 48 KB");
+};
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* ptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned a = (unsigned)__cvta_generic_to_shared(ptr);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#else
+  r[0] = r[1] = r[2] = r[3] = 0u;  // never launched below sm_80
+#endif
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* ptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned a = (unsigned)__cvta_generic_to_shared(ptr);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+#else
+  r[0] = r[1] = r[2] = r[3] = 0u;  // never launched below sm_80
+#endif
+}
+
+// The transpose of an 8x8 matrix of 16-bit values held one row pair per lane (fragment layout).
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t v) {
+  uint32_t r = v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(v));
+#endif
+  return r;
+}
+
+template <typename T>
+struct IsBf16 {
+  static constexpr bool value = false;
+};
+template <>
+struct IsBf16<__nv_bfloat16> {
+  static constexpr bool value = true;
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &h, 4);
+  return r;
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &h, 4);
+  return r;
+}
+
+// c += a * b for one m16n8k16 tile, fp32 accumulation.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if (IsBf16<T>::value) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#endif
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Params p) {
+  using TL = MmaTiling<T, D>;
+  constexpr int GQ = kMmaHeads, KS = D / 16;  // k-steps of the scores, m-tiles of the output
+  constexpr int TT = TL::TT, ROW = TL::ROW_BYTES;
+
+  __shared__ __align__(16) unsigned char smem[TL::SMEM_BYTES];
+  __shared__ float s_m[TL::WARPS][GQ], s_l[TL::WARPS][GQ];
+  __shared__ int s_ids[2][TL::THREADS];
+  __shared__ int s_last;
+
+  pdl_launch_dependents();  // early trigger: see common.cuh
+  Work w;
+  if (!plan_work<T, D, TL::THREADS>(p, w)) return;
+  // PDL: the block table and every K/V row but the newest (written by an earlier step) are read before
+  // pdl_wait(); q and the newest row (just written by rotary_and_cache / reshape_and_cache) after it.
+  Pipeline<TL, true, T> pipe;
+  pipe.start(p, w, smem, s_ids);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int qd = lane & 3, qr = lane >> 2;  // position in the quad, quad (row group of the fragments)
+  const int r0 = warp * 16;                 // this warp's first row of every tile
+
+  // q as the B operand of the scores (heads past `heads` are zero: their columns are never written).
+  uint32_t qb[KS][2];
+  {
+    const T* qh = static_cast<const T*>(p.q) + (int64_t)w.seq * p.q_seq_stride +
+                  (int64_t)(w.head0 + min(qr, w.heads - 1)) * p.q_head_stride + 2 * qd;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      qb[kk][0] = qr < w.heads ? *reinterpret_cast<const uint32_t*>(qh + 16 * kk) : 0u;
+      qb[kk][1] = qr < w.heads ? *reinterpret_cast<const uint32_t*>(qh + 16 * kk + 8) : 0u;
+    }
+  }
+
+  // O^T m-tile mt: o[mt][0] = (dim 16mt + qr, head 2qd), [1] = (same dim, head 2qd + 1), [2], [3] = dim + 8.
+  float o[KS][4];
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running max of heads 2qd and 2qd + 1 (same in all 8 lanes of qd)
+  float l0 = 0.0f, l1 = 0.0f;            // this lane's part of their running sums
+
+  for (int j = 0; j < pipe.num_tiles; ++j) {
+    pipe.advance(j, p, smem, s_ids);
+    const int tile0 = w.begin + j * TT;
+    if (tile0 + r0 >= w.end) continue;  // this warp's rows of the last tile are all past the end
+    const unsigned char* k_tile = smem + (j % TL::S) * TL::STAGE_BYTES;
+    const unsigned char* v_tile = k_tile + TT * ROW;
+
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+      uint32_t a[4];
+      ldsm_x4(a, k_tile + (r0 + (lane & 15)) * ROW + (kk * 16 + (lane >> 4) * 8) * 2);
+      mma16816<T>(c, a, qb[kk][0], qb[kk][1]);
+    }
+    // c: tokens qr (c[0], c[1]) and qr + 8 (c[2], c[3]) of heads 2qd, 2qd + 1.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float sc = c[i] * p.scale;
+      if (p.softcap > 0.0f) sc = p.softcap * tanhf(sc / p.softcap);
+      c[i] = tile0 + r0 + qr + (i >> 1) * 8 < w.end ? sc : -INFINITY;
+    }
+    float mx0 = fmaxf(c[0], c[2]), mx1 = fmaxf(c[1], c[3]);
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    // Row r0 of the tile is before the end, so both maxima are finite.
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    const float f0 = __expf(m0 - n0), f1 = __expf(m1 - n1);  // 0 while nothing was seen
+    m0 = n0;
+    m1 = n1;
+    const float p0 = __expf(c[0] - n0), p1 = __expf(c[1] - n1), p2 = __expf(c[2] - n0), p3 = __expf(c[3] - n1);
+    l0 = l0 * f0 + p0 + p2;
+    l1 = l1 * f1 + p1 + p3;
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      o[mt][0] *= f0;
+      o[mt][1] *= f1;
+      o[mt][2] *= f0;
+      o[mt][3] *= f1;
+    }
+    // P^T as the B fragment: tokens 2qd + {0, 1} (and + 8) of head qr.
+    const uint32_t b0 = transpose8x8(pack2<T>(p0, p1));
+    const uint32_t b1 = transpose8x8(pack2<T>(p2, p3));
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      uint32_t a[4];
+      ldsm_x4_trans(a, v_tile + (r0 + (lane & 7) + ((lane >> 4) << 3)) * ROW + (mt * 16 + ((lane >> 3) & 1) * 8) * 2);
+      mma16816<T>(o[mt], a, b0, b1);
+    }
+  }
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the combine below reuses the stage memory
+  float* s_acc = reinterpret_cast<float*>(smem);  // [WARPS][GQ][D]
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt) {
+    float* h0 = s_acc + (warp * GQ + 2 * qd) * D + mt * 16 + qr;
+    h0[0] = o[mt][0];
+    h0[D] = o[mt][1];
+    h0[8] = o[mt][2];
+    h0[D + 8] = o[mt][3];
+  }
+  if (qr == 0) {
+    s_m[warp][2 * qd] = m0;
+    s_m[warp][2 * qd + 1] = m1;
+    s_l[warp][2 * qd] = l0;
+    s_l[warp][2 * qd + 1] = l1;
+  }
   __syncthreads();
-  unsigned int* counter = p.counters + blockIdx.x;  // one ticket per (sequence, KV-head chunk)
-  if (threadIdx.x == 0) {
-    const unsigned int ticket = atomicAdd(counter, 1u);
-    s_last = ticket == (unsigned int)(n_active - 1);
-    if (s_last) *counter = 0u;  // every active split has arrived: leave it zero for the next call
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  // The partials of up to kChunk splits are copied into the (now idle) stage memory all at once --
-  // every 16-byte piece its own cp.async, the (max, sum) pairs plain loads in flight alongside -- so a
-  // merge costs one L2 round trip per kChunk splits (a loop over splits per output element, one element
-  // after another, made that chain n_active * heads * D / kThreads loads long).
-  constexpr int kQuads = D / 4;
-  constexpr int kChunk = TL::SMEM_BYTES / ((GQ * D + 2 * GQ) * (int)sizeof(float));
-  static_assert(kChunk >= 1 && D % 4 == 0, "merge staging");
-  constexpr int R = (GQ * D + kThreads - 1) / kThreads;
-  float* s_po = reinterpret_cast<float*>(smem);  // [kChunk][GQ][D] partial outputs
-  float* s_st = s_po + kChunk * GQ * D;          // [kChunk][GQ][2] (max, sum)
-  const int64_t row0 = ((int64_t)seq * p.num_heads + head0) * p.splits;
-  float m[R], l[R], o[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-    o[r] = 0.0f;
-  }
-  for (int sp0 = 0; sp0 < n_active; sp0 += kChunk) {
-    const int nc = min(kChunk, n_active - sp0);
-    for (int c = threadIdx.x; c < heads * nc * kQuads; c += kThreads) {
-      const int hs = c / kQuads, q4 = c - hs * kQuads;
-      const int h = hs / nc, sp = hs - h * nc;
-      // cp.async.cg reads L2, where the other CTAs' partials are (never a stale L1 line).
-      const int64_t row = row0 + (int64_t)h * p.splits + sp0 + sp;
-      cp_async16(s_po + (sp * GQ + h) * D + q4 * 4, p.partial_out + row * D + q4 * 4);
-    }
-    cp_async_commit();
-    for (int c = threadIdx.x; c < heads * nc; c += kThreads) {
-      const int h = c / nc, sp = c - h * nc;
-      const int64_t row = row0 + (int64_t)h * p.splits + sp0 + sp;
-      const float2 st = __ldcg(reinterpret_cast<const float2*>(p.partial_stats) + row);
-      s_st[(sp * GQ + h) * 2] = st.x;
-      s_st[(sp * GQ + h) * 2 + 1] = st.y;
-    }
-    cp_async_wait<0>();
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int i = threadIdx.x + r * kThreads;
-      if (i < heads * D) {
-        const int h = i / D, d = i - h * D;
-        // Rescale once per chunk to its max, so the loop over splits is a plain FMA chain (the exps
-        // are independent of each other).
-        float m_new = m[r];
-        for (int sp = 0; sp < nc; ++sp) m_new = fmaxf(m_new, s_st[(sp * GQ + h) * 2]);
-        const float f = m[r] == -INFINITY ? 0.0f : __expf(m[r] - m_new);
-        float o_r = o[r] * f, l_r = l[r] * f;
-        for (int sp = 0; sp < nc; ++sp) {
-          const float m_i = s_st[(sp * GQ + h) * 2], s_i = s_st[(sp * GQ + h) * 2 + 1];
-          const float w = m_i == -INFINITY ? 0.0f : s_i * __expf(m_i - m_new);
-          o_r = fmaf(w, s_po[(sp * GQ + h) * D + d], o_r);
-          l_r += w;
-        }
-        o[r] = o_r;
-        l[r] = l_r;
-        m[r] = m_new;
-      }
-    }
-    __syncthreads();  // the next chunk's copies overwrite the staging
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int i = threadIdx.x + r * kThreads;
-    if (i < heads * D) {
-      const int h = i / D, d = i - h * D;
-      T* out = static_cast<T*>(p.out) + (int64_t)seq * p.out_seq_stride + (int64_t)(head0 + h) * p.out_head_stride;
-      out[d] = Conv<T>::from_float(l[r] > 0.0f ? o[r] / l[r] : 0.0f);
-    }
-  }
+  finish<T, D, GQ, TL>(p, w, smem, &s_m[0][0], &s_l[0][0], &s_last);
 }
 
 // Merges the splits of one (sequence, query head) when the main kernel could not (more
@@ -722,19 +1014,58 @@ static Plan make_plan(int num_seqs, int num_heads, int num_kv_heads, int head_si
   return plan;
 }
 
+// Split calls whose partials the main kernel could not merge itself (more sequence x head chunks than
+// the workspace has tickets) get the merge as a second kernel.
+template <typename T>
+static void launch_merge_fallback(const Params& p, dim3 grid, int head_size, cudaStream_t s) {
+  if (p.splits <= 1 || p.fused) return;
+  const unsigned seqs = grid.x / (unsigned)(p.num_kv_heads * p.chunks);
+  merge_splits_kernel<T><<<dim3(seqs, (unsigned)p.num_heads), 128, 0, s>>>(p, head_size);
+}
+
 template <typename T, int D, int GQ>
 static void launch_kernel(Params p, dim3 grid, cudaStream_t s) {
   p.split_unit = Tiling<T, D, GQ>::UNIT;
   p.single_max = Tiling<T, D, GQ>::UNIT + kSinglePassExtraTiles * Tiling<T, D, GQ>::TT;
   launch_pdl(paged_decode_kernel<T, D, GQ>, grid, dim3(kThreads), 0, s, p);
-  if (p.splits > 1 && !p.fused) {
-    const unsigned seqs = grid.x / (unsigned)(p.num_kv_heads * p.chunks);
-    merge_splits_kernel<T><<<dim3(seqs, (unsigned)p.num_heads), 128, 0, s>>>(p, D);
+  launch_merge_fallback<T>(p, grid, D, s);
+}
+
+template <typename T, int D>
+static void launch_mma_kernel(Params p, dim3 grid, cudaStream_t s) {
+  using TL = MmaTiling<T, D>;
+  p.split_unit = TL::UNIT;
+  p.single_max = TL::UNIT + kSinglePassExtraTiles * TL::TT;
+  launch_pdl(paged_decode_mma_kernel<T, D>, grid, dim3(TL::THREADS), 0, s, p);
+  launch_merge_fallback<T>(p, grid, D, s);
+}
+
+// Tensor-core switch: -1 = not read yet, then 0 or 1 (WLLM_DECODE_MMA, wllm_set_decode_mma).
+static std::atomic<int> g_mma_switch(-1);
+
+static int mma_switch() {
+  int value = g_mma_switch.load(std::memory_order_relaxed);
+  if (value < 0) {
+    int expected = -1;
+    g_mma_switch.compare_exchange_strong(expected, env_switch_on("WLLM_DECODE_MMA") ? 1 : 0);
+    value = g_mma_switch.load(std::memory_order_relaxed);
   }
+  return value;
+}
+
+// The tensor-core kernel: sm_80+, 16-bit types, head sizes up to 128 (a CTA serves <= 8 query heads, as
+// make_plan chunks the group for those sizes), unless switched off.
+template <typename T>
+static bool use_mma(int head_size) {
+  if (std::is_same<T, float>::value || head_size > 128) return false;
+  return mma_switch() && current_device_major() >= 8;
 }
 
 template <typename T, int D>
 static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
+  if constexpr (!std::is_same<T, float>::value && D <= 128) {
+    if (use_mma<T>(D)) return launch_mma_kernel<T, D>(p, grid, s);
+  }
   switch (gq) {
     case 1: launch_kernel<T, D, 1>(p, grid, s); break;
     case 2: launch_kernel<T, D, 2>(p, grid, s); break;
@@ -780,6 +1111,12 @@ static int check_sizes(int num_seqs, int num_heads, int num_kv_heads, int head_s
 
 }  // namespace decode
 }  // namespace WLLM_NS
+
+WLLM_API int WLLM_FN(wllm_set_decode_mma)(int enable) {
+  const int previous = WLLM_NS::decode::mma_switch();
+  WLLM_NS::decode::g_mma_switch.store(enable != 0 ? 1 : 0);
+  return previous;
+}
 
 WLLM_API int WLLM_FN(wllm_paged_decode_workspace_size)(int num_seqs, int num_heads, int num_kv_heads, int head_size,
                                                        int64_t max_seq_len, int num_splits, int64_t* bytes) {

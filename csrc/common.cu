@@ -33,26 +33,28 @@ int check_launch(const char* what) {
 // on); wllm_set_pdl overrides it. Atomic because launches may come from several host threads.
 static std::atomic<int> g_pdl_switch(-1);
 
-static int pdl_from_environment() {
+bool env_switch_on(const char* name) {
 #if defined(_MSC_VER)
   // getenv is "deprecated" under MSVC (C4996); _dupenv_s is its warning-free equivalent.
   char* value = nullptr;
   size_t length = 0;
-  int enabled = 1;
-  if (_dupenv_s(&value, &length, "WLLM_PDL") == 0 && value != nullptr) {
+  bool enabled = true;
+  if (_dupenv_s(&value, &length, name) == 0 && value != nullptr) {
     enabled = strcmp(value, "0") != 0;
     free(value);
   }
   return enabled;
 #else
-  const char* value = getenv("WLLM_PDL");
-  return (value != nullptr && strcmp(value, "0") == 0) ? 0 : 1;
+  const char* value = getenv(name);
+  return !(value != nullptr && strcmp(value, "0") == 0);
 #endif
 }
 
-// Per-device "is sm_90 or newer": 0 = not asked yet, 1 = no, 2 = yes. Devices past the table never use PDL.
-constexpr int kMaxPdlDevices = 64;
-static std::atomic<int> g_pdl_device[kMaxPdlDevices];
+static int pdl_from_environment() { return env_switch_on("WLLM_PDL") ? 1 : 0; }
+
+// Per-device compute-capability major: 0 = not asked yet. Devices past the table are asked every time.
+constexpr int kMaxCachedDevices = 64;
+static std::atomic<int> g_device_major[kMaxCachedDevices];
 
 static int pdl_switch() {
   int value = g_pdl_switch.load(std::memory_order_relaxed);
@@ -64,26 +66,25 @@ static int pdl_switch() {
   return value;
 }
 
-bool pdl_enabled() {
-  if (!pdl_switch()) return false;
+int current_device_major() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();  // not sticky; the launch itself will report a real problem
-    return false;
+    return 0;
   }
-  if (device < 0 || device >= kMaxPdlDevices) return false;
-  int known = g_pdl_device[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int major = 0;
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  int major = cached ? g_device_major[device].load(std::memory_order_relaxed) : 0;
+  if (major == 0) {
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
       cudaGetLastError();
-      return false;
+      return 0;
     }
-    known = major >= 9 ? 2 : 1;
-    g_pdl_device[device].store(known, std::memory_order_relaxed);
+    if (cached) g_device_major[device].store(major, std::memory_order_relaxed);
   }
-  return known == 2;
+  return major;
 }
+
+bool pdl_enabled() { return pdl_switch() && current_device_major() >= 9; }
 
 // Does nothing; its attributes tell whether this library carries code for a device.
 __global__ void probe_kernel(int* flag) {

@@ -38,17 +38,20 @@ struct Conv<__nv_bfloat16> {
 };
 
 // ---- Programmatic Dependent Launch (PDL, sm_90+) ----------------------------------------------
-// A kernel launched with launch_pdl() may start while the kernel before it in the stream is still
+// A kernel launched with launch_pdl() may start while the kernels before it in the stream are still
 // running. Protocol every PDL kernel follows:
-//  - before pdl_wait(), read only data that no kernel still in flight writes (weights, block tables,
-//    seq_lens, positions, slot mappings: host->device copies or kernels older than the predecessor),
-//    and write nothing at all;
+//  - pdl_launch_dependents() first thing: the next PDL kernel may then start (and run its pre-wait part)
+//    while this one -- and the PDL kernels before it -- still run, so a chain of short kernels overlaps
+//    each one's fixed costs (launch, block-table and weight reads) with the work ahead of it;
+//  - before pdl_wait(), read only data that no kernel of the running PDL chain writes: weights and
+//    constant tables, and data written by memory copies or by kernels launched without PDL (they never
+//    trigger early, so they have completed before any later kernel starts): seq_lens, block tables,
+//    positions, slot mappings, K/V rows of earlier steps. Write nothing at all;
 //  - pdl_wait() on every path through the kernel (early exits included), before the first read of
-//    the predecessor's outputs and before the first global write;
-//  - pdl_launch_dependents() only after pdl_wait(). Then, when a dependent starts, everything before
-//    this kernel in the stream has completed, so the dependent's pre-wait reads of older data are
-//    safe; only this kernel's own outputs need the dependent's wait. (A CTA that exited without
-//    waiting would break that chain, hence the wait on early-exit paths too.)
+//    anything a PDL kernel before it writes and before the first global write. It returns when the
+//    predecessor has completed with its writes visible; the predecessor completed only after its own
+//    wait, so by then everything before this kernel in the stream has completed. (A CTA that exited
+//    without waiting would break that chain, hence the wait on early-exit paths too.)
 // Without a programmatic dependency (no attribute, older GPU, WLLM_PDL=0) both are no-ops.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -65,6 +68,12 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // True when launches on the current device should carry the PDL attribute: the device is sm_90+ and
 // PDL is switched on (WLLM_PDL=0 in the environment switches it off; wllm_set_pdl() at run time).
 bool pdl_enabled();
+
+// Compute-capability major of the current device (cached per device), 0 if it cannot be read.
+int current_device_major();
+
+// Reads an on/off switch from the environment once per process: 0 when the variable is "0", else 1.
+bool env_switch_on(const char* name);
 
 // Launches `kernel` like kernel<<<grid, block, smem, stream>>>(args...), with the programmatic
 // stream serialization attribute when pdl_enabled(). Returns the launch's error (also left for

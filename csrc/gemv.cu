@@ -155,6 +155,7 @@ __device__ __forceinline__ void stage_x(T* xs, const GemvParams<T>& p) {
 // Shared memory: x [m][k_pad] of T, then the reduction buffer float [2][warps][MAXM * kRows].
 template <typename T, int PRO, int MAXM, int VEC>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParams<T> p) {
+  pdl_launch_dependents();  // early trigger: see common.cuh
   constexpr int MR = MAXM * kRows;  // partial sums per thread
   static_assert(MR <= 32, "one lane per partial sum in the reduction");
   extern __shared__ __align__(16) unsigned char smem[];
@@ -185,7 +186,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParam
     }
   }
   pdl_wait();
-  pdl_launch_dependents();
   stage_x<T, PRO>(xs, p);
   __syncthreads();
 
@@ -306,6 +306,7 @@ __device__ __forceinline__ float group_sum(float v, unsigned mask) {
 // of the row. Shared memory: x [m][k_pad] of T only.
 template <typename T, int PRO, int MAXM, int G>
 __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const GemvParams<T> p) {
+  pdl_launch_dependents();  // early trigger: see common.cuh
   static_assert(G == 8 || G == 16 || G == 32, "lane groups are 8, 16 or 32 lanes");
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);
@@ -328,7 +329,6 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
     }
   }
   pdl_wait();
-  pdl_launch_dependents();
   stage_x<T, PRO>(xs, p);
   __syncthreads();  // the only barrier: from here on each group runs on its own
 

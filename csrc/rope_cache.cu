@@ -121,6 +121,7 @@ __global__ void rotary_and_cache_kernel(const int64_t* __restrict__ positions, T
                                         int64_t max_position, int64_t q_tok, int64_t q_head, int64_t k_tok,
                                         int64_t k_head, int64_t v_tok, int64_t v_head, int64_t c_block,
                                         int64_t c_tok, int64_t c_head, bool neox) {
+  pdl_launch_dependents();  // early trigger: see common.cuh
   const int64_t token = blockIdx.x;
   int64_t pos = positions[token];
   // Out-of-range positions are a caller bug; clamp (as rotary.cu does) rather than read outside the table.
@@ -132,14 +133,13 @@ __global__ void rotary_and_cache_kernel(const int64_t* __restrict__ positions, T
   const float* cos_row = cos_sin_cache + pos * rot_dim;
   const float* sin_row = cos_row + half;
   // positions, slot_mapping (host->device copies) and the cos/sin table (constant) are never written by
-  // the kernel in flight before this one: read them and start this token's table row (rot_dim floats)
+  // a kernel in flight: read them and start this token's table row (rot_dim floats)
   // moving into L2 before waiting. q, key and value are that kernel's outputs (the qkv projection), and
   // the cache slots may still be read by it: both only after pdl_wait().
   for (int b = (int)threadIdx.x * 32; b < rot_dim; b += (int)blockDim.x * 32) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(cos_row + b));
   }
   pdl_wait();
-  pdl_launch_dependents();
 
   const int rot_items = half / VEC;                    // per head, VEC pairs each
   const int pass_items = (head_size - rot_dim) / VEC;  // per k head, VEC elements each

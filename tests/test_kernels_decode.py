@@ -22,6 +22,15 @@ HEAD_SIZES = [64, 80, 96, 128, 256]
 UNUSED = 2**30  # block-table entries past a sequence's blocks: a kernel that reads them faults
 
 
+@pytest.fixture(params=["mma", "fma"])
+def decode_kernel(request):
+    """Runs a CUDA decode-attention test on the tensor-core kernel and again on the FMA kernel (the one
+    sm_7x GPUs, fp32 and head size 256 use); the switch only changes anything where both apply."""
+    previous = kernels.set_decode_mma(request.param == "mma")
+    yield request.param
+    kernels.set_decode_mma(previous)
+
+
 def make_paged(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                dtype: torch.dtype, device: str = "cpu", seed: int = 0):
     """Random q, a one-layer engine cache [1, 2, NB, BS, Hkv, D] and scattered block tables."""
@@ -179,6 +188,7 @@ def test_decode_bad_inputs_give_clear_errors() -> None:
 LENS = [0, 1, 15, 16, 17, 100, 513, 1000, 33]  # padding row, block edges, several tiles
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
@@ -195,6 +205,7 @@ def test_paged_decode_cuda(dtype, head_size, num_heads, num_kv_heads, block_size
                                        msg=lambda m, s=s, n=n, k=splits: f"splits={k} seq {s} (len {n}): {m}")
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 2), (64, 24, 3), (256, 8, 1), (96, 10, 2)])
@@ -210,6 +221,7 @@ def test_paged_decode_cuda_large_groups_window_softcap(dtype, head_size, num_hea
                                    msg=lambda m, k=splits: f"splits={k}: {m}")
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 def test_paged_decode_cuda_strided_q_and_out() -> None:
     """q as a slice of a fused qkv buffer and a strided output view."""
@@ -283,6 +295,7 @@ def test_act_and_mul_cuda(dtype, activation, rows, inter) -> None:
                                rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("num_splits", [0, 1])
 def test_kv_write_and_decode_inside_cuda_graph(num_splits: int) -> None:
@@ -340,6 +353,7 @@ def assert_tickets_zero(workspace: torch.Tensor, what: str = "") -> None:
     assert torch.count_nonzero(tickets) == 0, f"{what}: split-merge tickets left non-zero"
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 14, 2), (128, 32, 8), (80, 5, 5), (256, 8, 1)])
@@ -363,6 +377,7 @@ def test_paged_decode_cuda_odd_contexts_big_graph_max(dtype, head_size, num_head
             assert_tickets_zero(workspace, f"splits={splits}")
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 14, 2), (128, 32, 8)])
 @pytest.mark.parametrize("num_seqs", [1, 3])
@@ -423,6 +438,7 @@ def test_paged_decode_workspace_shared_by_calls_of_other_sizes() -> None:
         assert_tickets_zero(workspace, f"batch {b}")
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 def test_paged_decode_separate_merge_when_tickets_do_not_fit() -> None:
     """More (sequence, KV head) pairs than tickets with a forced split: the second merge kernel runs
@@ -438,6 +454,7 @@ def test_paged_decode_separate_merge_when_tickets_do_not_fit() -> None:
     assert_tickets_zero(workspace, "separate merge")
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 14, 2), (128, 32, 8), (256, 8, 1), (80, 5, 5)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -474,6 +491,7 @@ def test_paged_decode_single_pass_edges_inside_cuda_graph(head_size, num_heads, 
         assert_tickets_zero(workspace, f"context {n}")
 
 
+@pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_paged_decode_block_table_windows(block_size: int) -> None:

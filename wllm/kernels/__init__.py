@@ -1,6 +1,6 @@
 """wLLM kernels: the prebuilt CUDA library behind custom ops, with pure-PyTorch references."""
 
-from wllm.kernels._lib import KernelError, KernelLibraryError, available, build_info, set_pdl
+from wllm.kernels._lib import KernelError, KernelLibraryError, available, build_info, set_decode_mma, set_pdl
 from wllm.kernels.gemv import gemv
 from wllm.kernels.ops import (
     act_and_mul,
@@ -39,6 +39,7 @@ __all__ = [
     "rotary_cos_sin_cache",
     "rotary_embedding",
     "sample",
+    "set_decode_mma",
     "set_pdl",
     "silu_and_mul",
 ]

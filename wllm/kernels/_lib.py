@@ -26,7 +26,7 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 c_int, c_int64, c_float, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
-# name -> argument types (all functions return int status, except wllm_last_error and wllm_set_pdl).
+# name -> argument types (all functions return int status, except wllm_last_error and the wllm_set_* switches).
 SIGNATURES: dict[str, list] = {
     "wllm_abi_version": [],
     "wllm_device_check": [c_int, ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
@@ -60,6 +60,8 @@ SIGNATURES: dict[str, list] = {
                   c_int, c_int, c_void_p],
     # Programmatic Dependent Launch switch (returns the previous setting, not a status).
     "wllm_set_pdl": [c_int],
+    # Tensor-core decode attention switch (returns the previous setting).
+    "wllm_set_decode_mma": [c_int],
     "wllm_sample_workspace_size": [ctypes.POINTER(c_int64)],
     "wllm_sample": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                     c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p],
@@ -204,3 +206,10 @@ def set_pdl(enabled: bool, device: int = 0) -> bool:
     setting. Results are bit-identical either way; a CUDA graph keeps the setting it was captured with.
     The environment variable WLLM_PDL=0 sets the initial state to off."""
     return bool(binding(device).wllm_set_pdl(1 if enabled else 0))
+
+
+def set_decode_mma(enabled: bool, device: int = 0) -> bool:
+    """Run paged decode attention on tensor cores (sm_80+, fp16/bf16, head sizes up to 128; the default)
+    or on the FMA kernel that older GPUs, fp32 and head size 256 use, for launches made from now on;
+    returns the previous setting. The environment variable WLLM_DECODE_MMA=0 sets the initial state to off."""
+    return bool(binding(device).wllm_set_decode_mma(1 if enabled else 0))
