@@ -6,8 +6,12 @@ H200's 4,232 GB/s copy rate. Every call is replayed from a CUDA graph (as the en
 enough copies of the weight (>= 256 MB in all) that each call reads it from HBM, not from the 50-60 MB L2,
 as in a real decode step. A second table times the MLP's down projection with the activation fused
 (gemv with silu) against act_and_mul + F.linear (the unfused path) and act_and_mul + gemv. A third times
-each kernel variant of gemv (split-K; row-group with lanes per row chosen from K, or forced to 32/16/8)
-so that the automatic choice and the dispatch limits in linear.py / mlp.py can be set from one run.
+each kernel variant of gemv (split-K; row-group with lanes per row chosen from K, or forced to 32/16/8;
+register-prefetch) so that the automatic choice and the dispatch limits in linear.py / mlp.py can be set
+from one run. A fourth times each variant for 1-2 rows right behind the kernel that writes its x
+(fused_add_rms_norm, then the GEMV, PDL on, as in a decode layer; the down projection with SiLU fused):
+the GEMV's marginal cost there = that chain minus the norms alone, which is what a variant that loads W
+before its PDL wait (reg_prefetch) can hide and a standalone timing cannot show.
 
     python benchmarks/kernels_gemv.py [--rows 1 2 4 8] [--dtype bf16|fp16] [--json]
 """
@@ -60,6 +64,27 @@ def time_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Tens
         return kernels.gemv(kernels.silu_and_mul(x), w, b)  # act+gemv
 
     graph, _ = capture_graph(lambda: [call(w) for w in ws])
+    us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / len(ws)
+    del graph
+    return us
+
+
+def chain_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Tensor | None,
+             activation: str | None) -> float:
+    """Microseconds per (fused_add_rms_norm writing x in place, GEMV of x) pair from a CUDA graph with PDL
+    on, one pair per weight copy; variant "norm" times the norms alone."""
+    residual = torch.zeros_like(x)
+    norm_w = torch.ones(x.shape[-1], device=x.device, dtype=x.dtype)
+
+    def call(w: torch.Tensor) -> torch.Tensor:
+        kernels.fused_add_rms_norm(x, residual, norm_w, 1e-6)
+        return x if variant == "norm" else gemv_variant(x, w, b, activation, variant)
+
+    previous = kernels.set_pdl(True)
+    try:
+        graph, _ = capture_graph(lambda: [call(w) for w in ws])
+    finally:
+        kernels.set_pdl(previous)
     us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / len(ws)
     del graph
     return us
@@ -142,9 +167,30 @@ def main() -> int:
             print(f"{model:<14}{name:<9}{f'{n} x {k}':>13}{m:>3}{cells}{frac:>9.1%}")
             variant_results.append({"model": model, "matrix": name, "n": n, "k": k, "m": m, "us": times})
         del ws
+
+    print("\nbehind the kernel that writes x (fused_add_rms_norm -> gemv, PDL on; down with SiLU fused): "
+          "marginal us of the gemv = pair - norm alone (best marked *; 'of floor' = floor / best)")
+    print(f"{'model':<14}{'matrix':<9}{'N x K':>13}{'M':>3}{'norm us':>8}" + "".join(f"{v:>14}" for v in names)
+          + f"{'floor us':>9}{'of floor':>9}")
+    chain_results = []
+    for model, name, n, k, bias, _ in MATRICES:
+        ws, b, nbytes = weights(n, k, bias, dtype)
+        activation = "silu" if name == "down" else None
+        for m in [r for r in args.rows if r <= 2]:
+            x = torch.randn(m, k if activation is None else 2 * k, device="cuda").to(dtype)
+            norm = chain_us("norm", x, ws, b, activation)
+            marginal = {v: chain_us(v, x, ws, b, activation) - norm for v in names}
+            best = min(marginal, key=marginal.get)
+            cells = "".join(f"{marginal[v]:>13.2f}{'*' if v == best else ' '}" for v in names)
+            floor = nbytes / H200.bandwidth * 1e6
+            print(f"{model:<14}{name:<9}{f'{n} x {k}':>13}{m:>3}{norm:>8.2f}{cells}{floor:>9.2f}"
+                  f"{floor / max(marginal[best], 1e-9):>9.1%}")
+            chain_results.append({"model": model, "matrix": name, "n": n, "k": k, "m": m, "norm_us": norm,
+                                  "marginal_us": marginal, "floor_us": floor})
+        del ws
     if args.json:
         print(json.dumps({"dtype": args.dtype, "gemv": results, "down_fused": fused_results,
-                          "variants": variant_results}))
+                          "variants": variant_results, "behind_norm": chain_results}))
     return 0
 
 

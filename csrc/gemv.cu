@@ -6,8 +6,11 @@
 // pass over W with 16-byte loads, many loads in flight per SM, all M rows of x computed from that single
 // read. x (after the optional activation, rounded to the dtype as the unfused path would) is staged once
 // per CTA in shared memory; CTAs are persistent over rows so that staging (and the activation math) is
-// paid per CTA, not per row. Two kernels:
-//  - row-group kernel (M <= 4, aligned 16-byte rows, the decode case): a group of G lanes (8, 16 or 32)
+// paid per CTA, not per row. Three kernels:
+//  - register-prefetch kernel (M <= 2, aligned 16-byte rows, decode inside a PDL chain): like the
+//    row-group kernel, but every lane loads its first 16 chunks of W into registers before pdl_wait(),
+//    so up to ~17 MB of W is in flight while the previous kernel still runs;
+//  - row-group kernel (M <= 4, aligned 16-byte rows): a group of G lanes (8, 16 or 32)
 //    owns one output row over the whole of K, streams it with U independent 16-byte loads per lane in
 //    flight, reduces with shuffles inside the group and writes; no __syncthreads after staging x, so
 //    every warp keeps loads in flight back to back and groups never wait for each other.
@@ -23,7 +26,8 @@ namespace {
 enum GemvPrologue { PROLOGUE_NONE = 0, PROLOGUE_SILU_AND_MUL = 1, PROLOGUE_GELU_TANH_AND_MUL = 2 };
 
 // Kernel choice, bits 8..15 of the prologue argument (benchmarks and tests; 0 = automatic). A forced
-// row-group variant that does not apply (rows > 4, unaligned or odd K) falls back to the split-K kernel.
+// row-group variant that does not apply (rows > 4, unaligned or odd K) falls back to the split-K kernel;
+// a forced register-prefetch one with 3-4 rows to the row-group kernel, with more (or unaligned W) to split-K.
 enum GemvVariant {
   VARIANT_AUTO = 0,
   VARIANT_SPLIT_K = 1,
@@ -31,7 +35,8 @@ enum GemvVariant {
   VARIANT_ROW_GROUP_32 = 3,
   VARIANT_ROW_GROUP_16 = 4,
   VARIANT_ROW_GROUP_8 = 5,
-  VARIANT_LAST = VARIANT_ROW_GROUP_8
+  VARIANT_REG_PREFETCH = 6,  // register-prefetch kernel (M <= 2); the automatic choice where it applies
+  VARIANT_LAST = VARIANT_REG_PREFETCH
 };
 
 constexpr int kRows = 2;      // rows of W per task
@@ -378,6 +383,205 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Register-prefetch kernel (M <= 2, 16-byte aligned rows of W, K a multiple of 8): the decode case
+// inside a PDL chain. Weights are constants, so every lane loads its first kPfUnroll chunks of W into
+// registers BEFORE pdl_wait(): while the previous kernel (RMSNorm, attention, ...) still runs, the
+// whole first round of W (~128 KB per SM, ~17 MB on an H200) is already on its way, not just hinted
+// into L2. After the wait only x (or act(gate) * up) is staged, and the first round's FMAs run from
+// registers. Rows beyond the first round stream as in the row-group kernel (their next batch is
+// prefetched into L2 before the wait).
+// ---------------------------------------------------------------------------------------------------
+
+constexpr int kPfUnroll = 16;      // 16-byte chunks of W per lane held in registers (64 registers)
+constexpr int kPfMaxThreads = 512;  // CTA of 64..512 threads; 128 registers per thread at 512
+constexpr int kPfStage = 4;        // chunks of x (pairs with an activation) each thread loads at once
+
+// One 16-byte chunk of W, issued before pdl_wait(): volatile with a memory clobber so that neither the
+// compiler nor the scheduler moves it after the wait (which would defeat its purpose; it would still
+// be correct, weights being constant).
+template <typename T>
+__device__ __forceinline__ void load_weight_early(Pack<T, 8>& pk, const T* p) {
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(pk.v.x), "=r"(pk.v.y), "=r"(pk.v.z), "=r"(pk.v.w)
+               : "l"(p)
+               : "memory");
+}
+
+// stage_x with every one of a thread's (up to kPfStage) loads of x issued before any is used: after
+// pdl_wait() this is the only thing between the kernel and its FMAs, so it should cost one round trip
+// to L2, not one per element. Same rounding as stage_x (act(gate) * up rounded to T).
+template <typename T, int PRO>
+__device__ __forceinline__ void stage_x_batched(T* xs, const GemvParams<T>& p) {
+  if (!p.x_vec) {
+    stage_x<T, PRO>(xs, p);  // misaligned or strided-odd x: the scalar path
+    return;
+  }
+  const int per_row = p.k / 8;
+  const int total = p.m * per_row;
+  for (int base = threadIdx.x; base < total; base += kPfStage * blockDim.x) {
+    uint4 a[kPfStage];
+    uint4 b[kPfStage];
+#pragma unroll
+    for (int j = 0; j < kPfStage; ++j) {
+      const int i = base + j * blockDim.x;
+      if (i < total) {
+        const int r = i / per_row;
+        const T* src = p.x + r * p.ldx + (i - r * per_row) * 8;
+        a[j] = __ldg(reinterpret_cast<const uint4*>(src));
+        if (PRO != PROLOGUE_NONE) b[j] = __ldg(reinterpret_cast<const uint4*>(src + p.k));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPfStage; ++j) {
+      const int i = base + j * blockDim.x;
+      if (i < total) {
+        const int r = i / per_row;
+        if (PRO != PROLOGUE_NONE) {
+          T* ga = reinterpret_cast<T*>(&a[j]);
+          const T* ub = reinterpret_cast<const T*>(&b[j]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            ga[e] = Conv<T>::from_float(gated<PRO>(Conv<T>::to_float(ga[e]), Conv<T>::to_float(ub[e])));
+          }
+        }
+        *reinterpret_cast<uint4*>(xs + r * p.k_pad + (i - r * per_row) * 8) = a[j];
+      }
+    }
+  }
+}
+
+// Grid: persistent CTAs, all resident at once (the launcher sizes it so). A team of L = G * p.wk lanes
+// (G < 32: a part of a warp, p.wk = 1; G = 32: p.wk whole warps) owns one row per round over all of K;
+// team lane t takes chunks t, t + L, ..., t + (kPfUnroll - 1) * L of the row per pass (one pass covers
+// the row whenever the launcher could choose L so). Team j of CTA b takes rows b * teams + j, then
+// + gridDim.x * teams, ... The round loop's bound is uniform over the CTA, so the barrier of the
+// cross-warp reduction (p.wk > 1) is reached by every thread.
+// Shared memory: x [m][k_pad] of T, then (p.wk > 1) float [2][warps][MAXM] of per-warp partial sums.
+template <typename T, int PRO, int MAXM, int G>
+__global__ void __launch_bounds__(kPfMaxThreads, 1) gemv_prefetch_kernel(const GemvParams<T> p) {
+  static_assert(G == 8 || G == 16 || G == 32, "lane groups are 8, 16 or 32 lanes");
+  static_assert(MAXM <= G, "lane m of a group writes row m");
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* xs = reinterpret_cast<T*>(smem);
+  float* red = reinterpret_cast<float*>(smem + ((static_cast<size_t>(p.m) * p.k_pad * sizeof(T) + 15) & ~size_t(15)));
+
+  const int team_lanes = G * p.wk;
+  const int teams = blockDim.x / team_lanes;
+  const int team = threadIdx.x / team_lanes;
+  const int tl = threadIdx.x - team * team_lanes;  // lane within the team
+  const int lane = threadIdx.x & (G - 1);          // lane within the shuffle group
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int chunks = p.k >> 3;
+  const int pass = team_lanes * kPfUnroll;  // chunks of a row per pass
+  const int row_step = gridDim.x * teams;
+  const unsigned mask = (0xffffffffu >> (32 - G)) << ((threadIdx.x & 31) & ~(G - 1));  // this group's lanes
+
+  // Before the wait: the first pass of this team's first row into registers, and the pass after it
+  // (the rest of the row, or the next row) into L2. Nothing else is read and nothing is written.
+  Pack<T, 8> wv[kPfUnroll];
+  const int first = blockIdx.x * teams + team;
+  if (first < p.n) {
+    const T* row = p.w + static_cast<int64_t>(first) * p.ldw;
+#pragma unroll
+    for (int u = 0; u < kPfUnroll; ++u) {
+      const int c = u * team_lanes + tl;
+      if (c < chunks) load_weight_early(wv[u], row + static_cast<int64_t>(c) * 8);
+    }
+    const int next_row = pass < chunks ? first : first + row_step;
+    const int next_c0 = pass < chunks ? pass : 0;
+    if (next_row < p.n) {
+      const T* nrow = p.w + static_cast<int64_t>(next_row) * p.ldw;
+      for (int u = 0, c = next_c0 + tl; u < kPfUnroll && c < chunks; ++u, c += team_lanes) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(nrow + static_cast<int64_t>(c) * 8));
+      }
+    }
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  stage_x_batched<T, PRO>(xs, p);
+  __syncthreads();
+
+  bool preloaded = true;  // wv holds pass 0 of row `first` (or nothing, when first >= p.n)
+  int parity = 0;
+  for (int base = blockIdx.x * teams; base < p.n; base += row_step) {
+    const int n = base + team;
+    float acc[MAXM];
+#pragma unroll
+    for (int m = 0; m < MAXM; ++m) acc[m] = 0.0f;
+    if (n < p.n) {  // uniform over the team
+      const T* row = p.w + static_cast<int64_t>(n) * p.ldw;
+      for (int c0 = 0; c0 < chunks; c0 += pass) {
+        if (!preloaded) {
+#pragma unroll
+          for (int u = 0; u < kPfUnroll; ++u) {
+            const int c = c0 + u * team_lanes + tl;
+            if (c < chunks) wv[u].load_weight(row + static_cast<int64_t>(c) * 8);
+          }
+        }
+        preloaded = false;
+#pragma unroll
+        for (int u = 0; u < kPfUnroll; ++u) {
+          const int c = c0 + u * team_lanes + tl;
+          if (c < chunks) {
+            float wf[8];
+            wv[u].to_float(wf);
+#pragma unroll
+            for (int m = 0; m < MAXM; ++m) {
+              if (m < p.m) {
+                Pack<T, 8> xv;
+                xv.load_shared(xs + m * p.k_pad + c * 8);
+                float xf[8];
+                xv.to_float(xf);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[m] = fmaf(wf[j], xf[j], acc[m]);
+              }
+            }
+          }
+        }
+      }
+    }
+    preloaded = false;
+
+    if (p.wk == 1) {
+      // Lane m of the group writes row m of x's result.
+      if (n < p.n) {
+        const float b = (p.bias != nullptr && lane < p.m) ? Conv<T>::to_float(p.bias[n]) : 0.0f;
+#pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+          if (m < p.m) {  // uniform: every lane of the group joins the shuffles
+            const float s = group_sum<G>(acc[m], mask);
+            if (lane == m) p.out[m * p.ldo + n] = Conv<T>::from_float(s + b);
+          }
+        }
+      }
+    } else {
+      // G == 32 here: whole warps. Each warp's partial sums go to shared memory, then one thread per
+      // (row, m) adds the team's p.wk warps. Double-buffered: the buffer written here was last read two
+      // rounds ago, before the previous round's barrier.
+      float* buf = red + parity * (warps * MAXM);
+#pragma unroll
+      for (int m = 0; m < MAXM; ++m) {
+        const float s = warp_sum(acc[m]);  // rows past p.n and m >= p.m sum zeros, never written
+        if ((threadIdx.x & 31) == 0) buf[warp * MAXM + m] = s;
+      }
+      __syncthreads();
+      for (int t = threadIdx.x; t < teams * MAXM; t += blockDim.x) {
+        const int j = t / MAXM;
+        const int m = t - j * MAXM;
+        const int row = base + j;
+        if (row < p.n && m < p.m) {
+          float s = p.bias != nullptr ? Conv<T>::to_float(p.bias[row]) : 0.0f;
+          for (int w = 0; w < p.wk; ++w) s += buf[(j * p.wk + w) * MAXM + m];
+          p.out[m * p.ldo + row] = Conv<T>::from_float(s);
+        }
+      }
+      parity ^= 1;
+    }
+  }
+}
+
 struct DeviceInfo {
   int sms;
   int max_smem;  // opt-in shared memory per block, bytes
@@ -456,6 +660,59 @@ int launch_row_group_lanes(GemvParams<T> p, int lanes, const DeviceInfo& dev, cu
   return launch_row_group<T, PRO, MAXM, 8>(p, dev, stream);
 }
 
+// Register-prefetch kernel: picks the team (lanes per row) so that one pass of kPfUnroll loads per lane
+// covers a whole row where it can, the CTA size so that every SM gets work, and a grid that is entirely
+// resident (a CTA that is not resident cannot load anything before the wait).
+template <typename T, int PRO, int MAXM, int G>
+int launch_prefetch(GemvParams<T> p, int wk, const DeviceInfo& dev, cudaStream_t stream) {
+  auto kernel = gemv_prefetch_kernel<T, PRO, MAXM, G>;
+  p.wk = wk;
+  const int team_lanes = G * wk;
+  const auto blocks_for = [&](int threads) {
+    const int teams = threads / team_lanes;
+    return (static_cast<int64_t>(p.n) + teams - 1) / teams;
+  };
+  // With an activation every CTA recomputes act(gate) * up over all of K (two special-function ops per
+  // element, 16 per clock per SM: ~1 us for K = 14336 at two CTAs per SM), so one 512-thread CTA per SM,
+  // halved only while that still leaves at most one CTA per SM. Without one, staging x is a plain copy:
+  // 256 threads, halved while the rows would leave SMs idle (small matrices spread over all SMs).
+  int threads = PRO != PROLOGUE_NONE ? kPfMaxThreads : 256;
+  const int min_threads = team_lanes > 64 ? team_lanes : 64;
+  while (threads > min_threads &&
+         (PRO != PROLOGUE_NONE ? blocks_for(threads / 2) <= dev.sms : blocks_for(threads) < dev.sms)) {
+    threads /= 2;
+  }
+  const size_t x_bytes = (static_cast<size_t>(p.m) * p.k_pad * sizeof(T) + 15) & ~size_t(15);
+  const size_t smem = x_bytes + (wk > 1 ? static_cast<size_t>(2) * (threads / 32) * MAXM * sizeof(float) : 0);
+  int per_sm = 0;
+  const int status = configure(kernel, threads, smem, &per_sm);
+  if (status != WLLM_OK) return status;
+  if (PRO != PROLOGUE_NONE && threads == kPfMaxThreads && per_sm > 1) per_sm = 1;
+  const int64_t blocks = blocks_for(threads);
+  const int64_t resident = static_cast<int64_t>(dev.sms) * per_sm;
+  // Every resident slot gets a CTA (unlike the row-group kernel's equal rounds): what is loaded before
+  // the wait is one row per team, so more teams hide more of W. Qwen2.5-0.5B's gate_up (9728 rows of
+  // 8-lane teams): 8448 rows in registers, the other 1280 streamed from L2 by 40 CTAs, instead of
+  // half the rows in registers with equal rounds of 152 CTAs.
+  const int grid = static_cast<int>(blocks < resident ? blocks : resident);
+  launch_pdl(kernel, dim3(grid), dim3(threads), smem, stream, p);
+  return check_launch("gemv");
+}
+
+// Lanes per row for the register-prefetch kernel: the fewest (8, 16, 32, then 2..8 whole warps) whose
+// kPfUnroll loads each cover the row in one pass, so that the registers loaded before the wait hold
+// whole rows (K = 896: 8 lanes x 14 chunks; 4096: one warp x 16; 4864: two warps x 9.5; 14336: four
+// warps x 14).
+template <typename T, int PRO, int MAXM>
+int launch_prefetch_lanes(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
+  const int chunks = p.k / 8;
+  if (chunks <= 8 * kPfUnroll) return launch_prefetch<T, PRO, MAXM, 8>(p, 1, dev, stream);
+  if (chunks <= 16 * kPfUnroll) return launch_prefetch<T, PRO, MAXM, 16>(p, 1, dev, stream);
+  int wk = 1;
+  while (wk < 8 && 32 * wk * kPfUnroll < chunks) wk *= 2;
+  return launch_prefetch<T, PRO, MAXM, 32>(p, wk, dev, stream);
+}
+
 // Split-K kernel: chooses warps per task and CTA size, reserves shared memory, sizes the persistent grid, launches.
 template <typename T, int PRO, int MAXM, int VEC>
 int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
@@ -489,6 +746,16 @@ int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
 
 template <typename T, int PRO>
 int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceInfo& dev, cudaStream_t stream) {
+  // Automatic: the register-prefetch kernel for the decode case (1-2 rows, aligned W). Prediction, from
+  // the H200 chain measurements (benchmarks/kernels_pdl.py): in a PDL chain every GEMV sits behind a
+  // kernel that leaves HBM mostly idle (RMSNorm, rotary, attention at short context) or ends in a tail,
+  // and the row-group kernel only hints its first rows into L2 there, then pays the DRAM (or L2) round
+  // trips after the wait; this one has up to ~17 MB of W in registers by then. Standalone (back-to-back
+  // copies of one GEMV) both stream W the same way, so it should not lose there either.
+  if (vec && p.m <= 2 && (variant == VARIANT_AUTO || variant == VARIANT_REG_PREFETCH)) {
+    if (p.m <= 1) return launch_prefetch_lanes<T, PRO, 1>(p, dev, stream);
+    return launch_prefetch_lanes<T, PRO, 2>(p, dev, stream);
+  }
   if (vec && p.m <= 4 && variant != VARIANT_SPLIT_K) {
     // Lanes per row: each lane should still issue several 16-byte loads per row (K = 896: 16 lanes, 7
     // loads each), and long rows use whole warps (fewer, longer streams; fewer shuffles per byte).

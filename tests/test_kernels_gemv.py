@@ -164,7 +164,7 @@ def test_gemv_matches_reference(dtype, k, n, m, activation) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("variant", ["split_k", "row_group_32", "row_group_16", "row_group_8"])
+@pytest.mark.parametrize("variant", ["split_k", "row_group_32", "row_group_16", "row_group_8", "reg_prefetch"])
 @pytest.mark.parametrize("k", [72, 200, 896, 4096, 4864, 14336])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv_each_variant(dtype, activation, variant, k, m) -> None:
@@ -219,6 +219,88 @@ def test_gemv_layouts(dtype, activation, layout, m) -> None:
     want = reference.gemv(x, w, b, activation)
     assert out.shape == (*x.shape[:-1], n)
     torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+# (n, k) for the register-prefetch kernel, k = 8 * odd: 8-lane teams (k <= 1024: 72, 200, 904), 16-lane
+# (2040), one warp (4088), 2 / 4 / 8 warps per row with the shared-memory reduction (4872, 14344, 24568),
+# two passes per row (40008: the first pass from the registers loaded before the wait, the second
+# streamed), and more rows than resident teams (9999 x 904, 28673 x 4088: later rows streamed).
+PREFETCH_SHAPES = [(1, 72), (7, 200), (1153, 904), (9999, 904), (1153, 2040), (28673, 4088), (1153, 4872),
+                   (257, 14344), (37, 24568), (37, 40008)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("n,k", PREFETCH_SHAPES)
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_reg_prefetch(dtype, activation, n, k, m) -> None:
+    """The register-prefetch kernel (forced, and as auto's choice for 1-2 rows) on odd N, K = 8 * odd,
+    every lane layout it picks, with and without bias: each matches the reference, and auto is the same
+    kernel (bit-identical)."""
+    x, w, b = make(m, n, k, dtype, activation, (n + m) % 2 == 1, device="cuda", seed=n + k + m)
+    out = gemv_variant(x, w, b, activation, "reg_prefetch")
+    torch.testing.assert_close(out, reference.gemv(x, w, b, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    assert torch.equal(kernels.gemv(x, w, b, activation), out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["row_stride", "misaligned_x", "misaligned_weight"])
+@pytest.mark.parametrize("m", [1, 2])
+def test_gemv_reg_prefetch_layouts(dtype, activation, layout, m) -> None:
+    """Strided rows of x (16-byte loads of x), x off 16-byte boundaries (scalar staging of x), and W off
+    them (falls back to the split-K kernel): all match the reference."""
+    n, k = 1153, 4872
+    x, w, b = make(m, n, k, dtype, activation, True, device="cuda", seed=5 + m)
+    width = x.shape[1]
+    if layout == "row_stride":
+        big = torch.randn(m, 2 * width + 24, device="cuda").to(dtype)
+        big[:, 16:16 + width] = x
+        x = big[:, 16:16 + width]
+    elif layout == "misaligned_x":
+        big = torch.randn(m, width + 1, device="cuda").to(dtype)
+        big[:, 1:] = x
+        x = big[:, 1:]
+    else:
+        big = torch.randn(n, k + 1, device="cuda").to(dtype)
+        big[:, 1:] = w
+        w = big[:, 1:]
+    torch.testing.assert_close(gemv_variant(x, w, b, activation, "reg_prefetch"),
+                               reference.gemv(x, w, b, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,n,k", [(1, 9728, 896), (2, 1153, 904), (1, 4096, 14336), (2, 257, 14344),
+                                   (1, 28673, 4088)])
+def test_gemv_reg_prefetch_behind_writer_in_graph(activation, m, n, k) -> None:
+    """In a CUDA graph with PDL on, right behind the kernel that writes x (fused_add_rms_norm, in place):
+    the weights this kernel loads before its PDL wait are constants, x is read only after it. Each replay
+    with new inputs matches the reference computed from the norm's output."""
+    x, w, b = make(m, n, k, torch.bfloat16, activation, True, device="cuda", seed=13)
+    residual = torch.zeros_like(x)
+    norm_w = torch.ones(x.shape[1], device="cuda", dtype=torch.bfloat16)
+    previous = kernels.set_pdl(True)
+    try:
+        def step() -> torch.Tensor:
+            kernels.fused_add_rms_norm(x, residual, norm_w, 1e-6)
+            return gemv_variant(x, w, b, activation, "reg_prefetch")
+
+        graph, out = capture_graph(step)
+    finally:
+        kernels.set_pdl(previous)
+    for trial in range(3):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        want_x, want_res = x.clone(), residual.clone()
+        reference.fused_add_rms_norm(want_x, want_res, norm_w, 1e-6)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(x, want_x, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out, reference.gemv(x, w, b, activation), rtol=2e-2, atol=2e-2,
+                                   msg=lambda msg, t=trial: f"replay {t}: {msg}")
 
 
 @pytest.mark.cuda
