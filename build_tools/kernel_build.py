@@ -269,7 +269,9 @@ def build(out_dir: Path, build_dir: Path | None = None, archs_override: str | No
         lines.append(f"  description = nvcc[{leg.toolkit.name}] $in")
         lines.append("")
         for source in sources:
-            key = _source_key(source, headers, flags, leg.version)
+            # nvcc also reads flags from NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS: they belong in the key.
+            env_flags = [os.environ.get(v, "") for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")]
+            key = _source_key(source, headers, flags + env_flags, leg.version)
             obj = obj_dir / f"{source.stem}.{leg.toolkit.name}{obj_ext}"
             cached = cache / f"{source.stem}-{key}{obj_ext}"
             objects.append(obj)

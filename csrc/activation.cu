@@ -19,9 +19,9 @@ __device__ __forceinline__ float gated(float g, float u) {
 template <typename T, int ACT, int VEC>
 __global__ void act_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t inter,
                                    int64_t out_stride, int64_t x_stride) {
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_ACTIVATION>();
   // Everything this kernel reads is the previous kernel's output: nothing to do before the wait.
-  pdl_wait();
+  pdl_wait_and_trigger<PDL_ACTIVATION>();
   const T* gate = x + blockIdx.x * x_stride;
   const T* up = gate + inter;
   T* dst = out + blockIdx.x * out_stride;

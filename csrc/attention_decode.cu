@@ -281,7 +281,7 @@ __device__ __forceinline__ bool plan_work(const Params& p, Work& w) {
   const int span = w.seq_len - lo;
   w.n_active = active_splits(span, p.splits, p.split_unit, p.single_max);
   if (w.n_active == 0 || w.split >= w.n_active) {
-    pdl_wait();
+    pdl_wait_and_trigger<PDL_ATTENTION>();
     if (w.n_active == 0 && w.split == 0) {
       T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride;
       for (int i = threadIdx.x; i < w.heads * D; i += THREADS) {
@@ -345,7 +345,7 @@ struct Pipeline {
       }
       cp_async_commit();  // empty groups keep the group count uniform
     }
-    pdl_wait();
+    pdl_wait_and_trigger<PDL_ATTENTION>();
     const int t_new = (newest - begin) / TL::TT;  // tile of the newest row when this CTA covers it
     if (newest >= begin && newest < end && t_new < TL::S - 1 && (int)threadIdx.x < TL::CPR) {
       constexpr int kPerChunk = 16 / (int)sizeof(T);
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
   __shared__ int s_ids[2][kThreads];
   __shared__ int s_last;
 
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_ATTENTION>();
   Work w;
   if (!plan_work<T, D, kThreads>(p, w)) return;
   const int heads = w.heads, head0 = w.head0, seq = w.seq, begin = w.begin, end = w.end;
@@ -738,7 +738,18 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
 constexpr int kMmaThreads = 64;
 constexpr int kMmaHeads = 8;  // query heads per CTA: the n side of the MMA (padded with zero heads)
 
-template <typename T, int D>
+// Two stage counts per head size: STAGES_BW keeps a CTA within 44 KB, so that the many CTAs of a large
+// batch are all resident at once (bandwidth); STAGES_LAT (dynamic shared memory up to ~70 KB) puts a
+// whole short context -- or a whole split -- in flight before pdl_wait() for the few CTAs of a small
+// batch (latency), whose splits then cover S - 1 tiles each.
+template <int D>
+struct MmaStages {
+  static constexpr int STAGE_BYTES = 2 * 32 * (D * 2 + 16);
+  static constexpr int STAGES_BW = cmin(6, cmax(2, kStageBudget / STAGE_BYTES));
+  static constexpr int STAGES_LAT = cmax(STAGES_BW, D >= 96 ? 4 : 6);
+};
+
+template <typename T, int D, int STAGES>
 struct MmaTiling {
   static constexpr int THREADS = kMmaThreads, WARPS = kMmaThreads / 32;
   // +16 bytes per row: the 8 rows of an 8x8 ldmatrix (16 bytes each) then start 4 banks apart (D = 64,
@@ -746,14 +757,17 @@ struct MmaTiling {
   static constexpr int ROW_BYTES = D * 2 + 16;
   static constexpr int TT = 16 * WARPS;  // each warp takes 16 tokens of a tile
   static constexpr int STAGE_BYTES = 2 * TT * ROW_BYTES;
-  static constexpr int S = cmin(6, cmax(2, kStageBudget / STAGE_BYTES));
+  static constexpr int S = STAGES;
+  static constexpr bool LATENCY = STAGES > MmaStages<D>::STAGES_BW;
   static constexpr int CPR = D * 2 / 16;
   static constexpr int NCH = (TT * CPR + THREADS - 1) / THREADS;
-  static constexpr int UNIT = (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
+  static constexpr int UNIT = LATENCY ? (S - 1) * TT : (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
+  static constexpr int SINGLE_MAX = LATENCY ? S * TT : UNIT + kSinglePassExtraTiles * TT;
   static constexpr int ACC_BYTES = WARPS * kMmaHeads * D * 4;
-  static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);
+  static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);  // dynamic shared memory
+  static_assert(STAGE_BYTES == MmaStages<D>::STAGE_BYTES, "stage size");
   static_assert(D % 16 == 0, "head size must be a multiple of the MMA's k = 16");
-  static_assert(SMEM_BYTES <= 44 * 1024, "static shared memory must stay under 48 KB");
+  static_assert(S >= 2 && SMEM_BYTES <= 96 * 1024, "fits every sm_80+ GPU's shared memory per block");
 };
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* ptr) {
@@ -831,18 +845,18 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-template <typename T, int D>
+template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Params p) {
-  using TL = MmaTiling<T, D>;
+  using TL = MmaTiling<T, D, STAGES>;
   constexpr int GQ = kMmaHeads, KS = D / 16;  // k-steps of the scores, m-tiles of the output
   constexpr int TT = TL::TT, ROW = TL::ROW_BYTES;
 
-  __shared__ __align__(16) unsigned char smem[TL::SMEM_BYTES];
+  extern __shared__ __align__(16) unsigned char smem[];  // TL::SMEM_BYTES
   __shared__ float s_m[TL::WARPS][GQ], s_l[TL::WARPS][GQ];
   __shared__ int s_ids[2][TL::THREADS];
   __shared__ int s_last;
 
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_ATTENTION>();
   Work w;
   if (!plan_work<T, D, TL::THREADS>(p, w)) return;
   // PDL: the block table and every K/V row but the newest (written by an earlier step) are read before
@@ -1031,13 +1045,37 @@ static void launch_kernel(Params p, dim3 grid, cudaStream_t s) {
   launch_merge_fallback<T>(p, grid, D, s);
 }
 
-template <typename T, int D>
-static void launch_mma_kernel(Params p, dim3 grid, cudaStream_t s) {
-  using TL = MmaTiling<T, D>;
+// Lets `kernel` use `bytes` of dynamic shared memory (above 48 KB needs the opt-in), once per device.
+template <typename Kernel>
+static bool allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
+  if (bytes <= 48 * 1024) return true;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const uint64_t bit = device < 64 ? (uint64_t)1 << device : 0;
+  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit) != 0) return true;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: the caller falls back to the FMA kernel
+    return false;
+  }
+  done.fetch_or(bit, std::memory_order_relaxed);
+  return true;
+}
+
+// Launches the tensor-core kernel with STAGES pipeline stages; false when its shared memory cannot be
+// had (the caller then uses the FMA kernel).
+template <typename T, int D, int STAGES>
+static bool launch_mma_kernel(Params p, dim3 grid, cudaStream_t s) {
+  using TL = MmaTiling<T, D, STAGES>;
+  static std::atomic<uint64_t> smem_allowed(0);
+  if (!allow_smem(paged_decode_mma_kernel<T, D, STAGES>, TL::SMEM_BYTES, smem_allowed)) return false;
   p.split_unit = TL::UNIT;
-  p.single_max = TL::UNIT + kSinglePassExtraTiles * TL::TT;
-  launch_pdl(paged_decode_mma_kernel<T, D>, grid, dim3(TL::THREADS), 0, s, p);
+  p.single_max = TL::SINGLE_MAX;
+  launch_pdl(paged_decode_mma_kernel<T, D, STAGES>, grid, dim3(TL::THREADS), TL::SMEM_BYTES, s, p);
   launch_merge_fallback<T>(p, grid, D, s);
+  return true;
 }
 
 // Tensor-core switch: -1 = not read yet, then 0 or 1 (WLLM_DECODE_MMA, wllm_set_decode_mma).
@@ -1055,6 +1093,22 @@ static int mma_switch() {
 
 // The tensor-core kernel: sm_80+, 16-bit types, head sizes up to 128 (a CTA serves <= 8 query heads, as
 // make_plan chunks the group for those sizes), unless switched off.
+// Multiprocessors of the current device (the first device asked, cached: one model runs on one kind of GPU).
+static int device_sms() {
+  static std::atomic<int> sms(0);
+  int n = sms.load(std::memory_order_relaxed);
+  if (n == 0) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) !=
+                                                     cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    sms.store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 template <typename T>
 static bool use_mma(int head_size) {
   if (std::is_same<T, float>::value || head_size > 128) return false;
@@ -1064,7 +1118,16 @@ static bool use_mma(int head_size) {
 template <typename T, int D>
 static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
   if constexpr (!std::is_same<T, float>::value && D <= 128) {
-    if (use_mma<T>(D)) return launch_mma_kernel<T, D>(p, grid, s);
+    if (use_mma<T>(D)) {
+      // Few CTAs (a small batch): the latency variant, whose deeper pipeline puts a short context or a
+      // whole split in flight before pdl_wait(). Many: the bandwidth variant, small enough that the
+      // whole grid is resident at once.
+      const bool few = (int64_t)grid.x * 4 <= (int64_t)device_sms();
+      if (few ? launch_mma_kernel<T, D, MmaStages<D>::STAGES_LAT>(p, grid, s)
+              : launch_mma_kernel<T, D, MmaStages<D>::STAGES_BW>(p, grid, s)) {
+        return;
+      }
+    }
   }
   switch (gq) {
     case 1: launch_kernel<T, D, 1>(p, grid, s); break;

@@ -40,9 +40,6 @@ struct Conv<__nv_bfloat16> {
 // ---- Programmatic Dependent Launch (PDL, sm_90+) ----------------------------------------------
 // A kernel launched with launch_pdl() may start while the kernels before it in the stream are still
 // running. Protocol every PDL kernel follows:
-//  - pdl_launch_dependents() first thing: the next PDL kernel may then start (and run its pre-wait part)
-//    while this one -- and the PDL kernels before it -- still run, so a chain of short kernels overlaps
-//    each one's fixed costs (launch, block-table and weight reads) with the work ahead of it;
 //  - before pdl_wait(), read only data that no kernel of the running PDL chain writes: weights and
 //    constant tables, and data written by memory copies or by kernels launched without PDL (they never
 //    trigger early, so they have completed before any later kernel starts): seq_lens, block tables,
@@ -52,7 +49,19 @@ struct Conv<__nv_bfloat16> {
 //    predecessor has completed with its writes visible; the predecessor completed only after its own
 //    wait, so by then everything before this kernel in the stream has completed. (A CTA that exited
 //    without waiting would break that chain, hence the wait on early-exit paths too.)
-// Without a programmatic dependency (no attribute, older GPU, WLLM_PDL=0) both are no-ops.
+//  - trigger the dependents (pdl_launch_dependents) either first thing (pdl_trigger_early) or right
+//    after the wait (pdl_wait_and_trigger), per kernel family. Early, the next kernel may start its
+//    pre-wait part while this one -- and the kernels before it -- still run. That hides rotary+cache's
+//    dependent, decode attention's chain of seq_len -> block table -> K/V reads, behind the QKV
+//    projection; but when every kernel triggers early, whole layers of prologues run ahead and the
+//    8B decode step got slower (H200: 133.8 -> 158.5 us per layer), so by default only rotary_and_cache
+//    does. WLLM_PDL_EARLY_MASK (build time, bits PdlFamily) chooses the families for measurements.
+// Without a programmatic dependency (no attribute, older GPU, WLLM_PDL=0) all of these are no-ops.
+enum PdlFamily { PDL_ROPE = 1, PDL_NORM = 2, PDL_GEMV = 4, PDL_ATTENTION = 8, PDL_ACTIVATION = 16 };
+#ifndef WLLM_PDL_EARLY_MASK
+#define WLLM_PDL_EARLY_MASK 1
+#endif
+
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -63,6 +72,19 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// First thing in a PDL kernel of `Family`: triggers the dependents now if the family triggers early.
+template <int Family>
+__device__ __forceinline__ void pdl_trigger_early() {
+  if ((WLLM_PDL_EARLY_MASK & Family) != 0) pdl_launch_dependents();
+}
+
+// pdl_wait(), then the trigger of a family that did not trigger early.
+template <int Family>
+__device__ __forceinline__ void pdl_wait_and_trigger() {
+  pdl_wait();
+  if ((WLLM_PDL_EARLY_MASK & Family) == 0) pdl_launch_dependents();
 }
 
 // True when launches on the current device should carry the PDL attribute: the device is sm_90+ and

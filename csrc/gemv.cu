@@ -160,7 +160,7 @@ __device__ __forceinline__ void stage_x(T* xs, const GemvParams<T>& p) {
 // Shared memory: x [m][k_pad] of T, then the reduction buffer float [2][warps][MAXM * kRows].
 template <typename T, int PRO, int MAXM, int VEC>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParams<T> p) {
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_GEMV>();
   constexpr int MR = MAXM * kRows;  // partial sums per thread
   static_assert(MR <= 32, "one lane per partial sum in the reduction");
   extern __shared__ __align__(16) unsigned char smem[];
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) gemv_kernel(const GemvParam
       }
     }
   }
-  pdl_wait();
+  pdl_wait_and_trigger<PDL_GEMV>();
   stage_x<T, PRO>(xs, p);
   __syncthreads();
 
@@ -311,7 +311,7 @@ __device__ __forceinline__ float group_sum(float v, unsigned mask) {
 // of the row. Shared memory: x [m][k_pad] of T only.
 template <typename T, int PRO, int MAXM, int G>
 __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const GemvParams<T> p) {
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_GEMV>();
   static_assert(G == 8 || G == 16 || G == 32, "lane groups are 8, 16 or 32 lanes");
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);
@@ -333,7 +333,7 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
       asm volatile("prefetch.global.L2 [%0];" ::"l"(row + static_cast<int64_t>(c) * 8));
     }
   }
-  pdl_wait();
+  pdl_wait_and_trigger<PDL_GEMV>();
   stage_x<T, PRO>(xs, p);
   __syncthreads();  // the only barrier: from here on each group runs on its own
 
@@ -462,6 +462,7 @@ template <typename T, int PRO, int MAXM, int G>
 __global__ void __launch_bounds__(kPfMaxThreads, 1) gemv_prefetch_kernel(const GemvParams<T> p) {
   static_assert(G == 8 || G == 16 || G == 32, "lane groups are 8, 16 or 32 lanes");
   static_assert(MAXM <= G, "lane m of a group writes row m");
+  pdl_trigger_early<PDL_GEMV>();
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);
   float* red = reinterpret_cast<float*>(smem + ((static_cast<size_t>(p.m) * p.k_pad * sizeof(T) + 15) & ~size_t(15)));
@@ -498,8 +499,7 @@ __global__ void __launch_bounds__(kPfMaxThreads, 1) gemv_prefetch_kernel(const G
       }
     }
   }
-  pdl_wait();
-  pdl_launch_dependents();
+  pdl_wait_and_trigger<PDL_GEMV>();
   stage_x_batched<T, PRO>(xs, p);
   __syncthreads();
 

@@ -7,13 +7,13 @@ template <typename T>
 __global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight,
                                 int64_t hidden, int64_t out_stride, int64_t x_stride, float eps,
                                 float weight_offset) {
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_NORM>();
   __shared__ float scratch[32];
   // x is the previous kernel's output: nothing to do before the wait but start the weight moving.
   if (threadIdx.x * 64 < hidden * (int64_t)sizeof(T)) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(weight) + threadIdx.x * 64));
   }
-  pdl_wait();
+  pdl_wait_and_trigger<PDL_NORM>();
   const T* row = x + blockIdx.x * x_stride;
   float sum_sq = 0.0f;
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
@@ -32,12 +32,12 @@ template <typename T>
 __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ residual,
                                           const T* __restrict__ weight, int64_t hidden, int64_t x_stride,
                                           int64_t res_stride, float eps, float weight_offset) {
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_NORM>();
   __shared__ float scratch[32];
   if (threadIdx.x * 64 < hidden * (int64_t)sizeof(T)) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(weight) + threadIdx.x * 64));
   }
-  pdl_wait();
+  pdl_wait_and_trigger<PDL_NORM>();
   T* xr = x + blockIdx.x * x_stride;
   T* rr = residual + blockIdx.x * res_stride;
   float sum_sq = 0.0f;
@@ -63,7 +63,7 @@ template <typename T, int VPT, bool ADD>
 __global__ void rms_norm_vec_kernel(T* out, const T* x, T* __restrict__ residual,
                                     const T* __restrict__ weight, int nvec, int64_t out_stride,
                                     int64_t x_stride, int64_t res_stride, float eps, float weight_offset) {
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_NORM>();
   constexpr int V = 16 / sizeof(T);
   __shared__ float scratch[32];
   const uint4* xr = reinterpret_cast<const uint4*>(x + blockIdx.x * x_stride);
@@ -86,7 +86,7 @@ __global__ void rms_norm_vec_kernel(T* out, const T* x, T* __restrict__ residual
       }
     }
   }
-  pdl_wait();
+  pdl_wait_and_trigger<PDL_NORM>();
   float vals[VPT][V];
   float sum_sq = 0.0f;
 #pragma unroll

@@ -121,7 +121,7 @@ __global__ void rotary_and_cache_kernel(const int64_t* __restrict__ positions, T
                                         int64_t max_position, int64_t q_tok, int64_t q_head, int64_t k_tok,
                                         int64_t k_head, int64_t v_tok, int64_t v_head, int64_t c_block,
                                         int64_t c_tok, int64_t c_head, bool neox) {
-  pdl_launch_dependents();  // early trigger: see common.cuh
+  pdl_trigger_early<PDL_ROPE>();
   const int64_t token = blockIdx.x;
   int64_t pos = positions[token];
   // Out-of-range positions are a caller bug; clamp (as rotary.cu does) rather than read outside the table.
@@ -139,7 +139,7 @@ __global__ void rotary_and_cache_kernel(const int64_t* __restrict__ positions, T
   for (int b = (int)threadIdx.x * 32; b < rot_dim; b += (int)blockDim.x * 32) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(cos_row + b));
   }
-  pdl_wait();
+  pdl_wait_and_trigger<PDL_ROPE>();
 
   const int rot_items = half / VEC;                    // per head, VEC pairs each
   const int pass_items = (head_size - rot_dim) / VEC;  // per k head, VEC elements each
