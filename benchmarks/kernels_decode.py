@@ -179,7 +179,7 @@ LATENCY_LAYOUTS = [("qwen2.5-0.5b", 14, 2, 64), ("llama-3.1-8b", 32, 8, 128)]
 LATENCY_TARGET_US = 4.0  # per layer, the issue's target for batch-1 decode attention
 
 
-def latency_table(dtype: torch.dtype, layers: int, contexts: tuple[int, ...] = (128, 512),
+def latency_table(dtype: torch.dtype, layers: int, contexts: tuple[int, ...] = (128, 512, 1024),
                   max_len: int = 4096, block_size: int = 16) -> list[dict]:
     """Batch-1 decode attention per call (us) replayed from one graph of `layers` calls, each layer with
     its own scattered blocks; hot and cold L2 (see the module docstring)."""

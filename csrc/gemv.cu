@@ -746,13 +746,15 @@ int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
 
 template <typename T, int PRO>
 int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceInfo& dev, cudaStream_t stream) {
-  // Automatic: the register-prefetch kernel for the decode case (1-2 rows, aligned W). Prediction, from
-  // the H200 chain measurements (benchmarks/kernels_pdl.py): in a PDL chain every GEMV sits behind a
-  // kernel that leaves HBM mostly idle (RMSNorm, rotary, attention at short context) or ends in a tail,
-  // and the row-group kernel only hints its first rows into L2 there, then pays the DRAM (or L2) round
-  // trips after the wait; this one has up to ~17 MB of W in registers by then. Standalone (back-to-back
-  // copies of one GEMV) both stream W the same way, so it should not lose there either.
-  if (vec && p.m <= 2 && (variant == VARIANT_AUTO || variant == VARIANT_REG_PREFETCH)) {
+  // Automatic: the register-prefetch kernel where it measured fastest behind the kernel that writes x
+  // (H200, benchmarks/kernels_gemv.py, PDL chain): one row, and either the activation fused in with K up
+  // to 8K (Qwen2.5-0.5B's down projection: 4.35 us vs 6.3 for the row-group kernel) or K >= 2048 with W up
+  // to 64 MB (Llama-3.1-8B's qkv and o: 15.1 / 12.0 us vs 15.2 / 12.4). Elsewhere (small K without the
+  // activation, the 235 MB gate_up, two rows) the row-group or split-K kernel was as fast or faster.
+  const int64_t w_bytes = static_cast<int64_t>(p.n) * p.k * static_cast<int64_t>(sizeof(T));
+  const bool prefetch_wins = p.m <= 1 && ((PRO != PROLOGUE_NONE && p.k <= 8192) ||
+                                          (PRO == PROLOGUE_NONE && p.k >= 2048 && w_bytes <= (int64_t(64) << 20)));
+  if (vec && p.m <= 2 && (variant == VARIANT_REG_PREFETCH || (variant == VARIANT_AUTO && prefetch_wins))) {
     if (p.m <= 1) return launch_prefetch_lanes<T, PRO, 1>(p, dev, stream);
     return launch_prefetch_lanes<T, PRO, 2>(p, dev, stream);
   }
