@@ -761,12 +761,12 @@ struct MmaTiling {
   static constexpr bool LATENCY = STAGES > MmaStages<D>::STAGES_BW;
   static constexpr int CPR = D * 2 / 16;
   static constexpr int NCH = (TT * CPR + THREADS - 1) / THREADS;
-  // Latency variant: one CTA streams up to 16 tiles (512 tokens) through its S - 1 tiles in flight, and
-  // longer spans split into 8-tile units. Splitting a 512-token span into 3-tile units measured 13.2 us
-  // against 5.7 us for 4 tiles in one CTA (H200, Llama heads): the partial write, fence, ticket and merge
-  // of a split cost more than a dozen more tiles of tensor-core work.
-  static constexpr int UNIT = LATENCY ? 8 * TT : (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
-  static constexpr int SINGLE_MAX = LATENCY ? 16 * TT : UNIT + kSinglePassExtraTiles * TT;
+  // Latency variant: one CTA takes a span of up to 4 tiles (128 tokens), all but the last in flight
+  // before pdl_wait() (H200, Llama heads, batch 1: 5.7 us against 7.6 us for the FMA kernel); longer spans
+  // split into one-tile units like the FMA kernel's. A 2-warp CTA pays ~1.5 us per further tile (copy
+  // issue and MMA chains of only 64 threads): 16 tiles in one CTA took 25.7 us, 3-tile splits 13.2 us.
+  static constexpr int UNIT = LATENCY ? TT : (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
+  static constexpr int SINGLE_MAX = LATENCY ? 4 * TT : UNIT + kSinglePassExtraTiles * TT;
   static constexpr int ACC_BYTES = WARPS * kMmaHeads * D * 4;
   static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);  // dynamic shared memory
   static_assert(STAGE_BYTES == MmaStages<D>::STAGE_BYTES, "stage size");
@@ -1082,14 +1082,21 @@ static bool launch_mma_kernel(Params p, dim3 grid, cudaStream_t s) {
   return true;
 }
 
-// Tensor-core switch: -1 = not read yet, then 0 or 1 (WLLM_DECODE_MMA, wllm_set_decode_mma).
+// Tensor-core mode: -1 = not read yet, then 0 (off), 1 (on) or 2 (only for large grids: small batches
+// keep the FMA kernel). From the environment (WLLM_DECODE_MMA=0: off; WLLM_DECODE_MMA_SMALL_BATCH=0:
+// mode 2) or wllm_set_decode_mma.
 static std::atomic<int> g_mma_switch(-1);
+
+static int mma_mode_from_environment() {
+  if (!env_switch_on("WLLM_DECODE_MMA")) return 0;
+  return env_switch_on("WLLM_DECODE_MMA_SMALL_BATCH") ? 1 : 2;
+}
 
 static int mma_switch() {
   int value = g_mma_switch.load(std::memory_order_relaxed);
   if (value < 0) {
     int expected = -1;
-    g_mma_switch.compare_exchange_strong(expected, env_switch_on("WLLM_DECODE_MMA") ? 1 : 0);
+    g_mma_switch.compare_exchange_strong(expected, mma_mode_from_environment());
     value = g_mma_switch.load(std::memory_order_relaxed);
   }
   return value;
@@ -1127,7 +1134,9 @@ static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
       // whole split in flight before pdl_wait(). Many: the bandwidth variant, small enough that the
       // whole grid is resident at once.
       const bool few = (int64_t)grid.x * 4 <= (int64_t)device_sms();
-      if (few ? launch_mma_kernel<T, D, MmaStages<D>::STAGES_LAT>(p, grid, s)
+      if (few && mma_switch() == 2) {
+        // mode 2: small batches on the FMA kernel (below)
+      } else if (few ? launch_mma_kernel<T, D, MmaStages<D>::STAGES_LAT>(p, grid, s)
               : launch_mma_kernel<T, D, MmaStages<D>::STAGES_BW>(p, grid, s)) {
         return;
       }
@@ -1179,9 +1188,9 @@ static int check_sizes(int num_seqs, int num_heads, int num_kv_heads, int head_s
 }  // namespace decode
 }  // namespace WLLM_NS
 
-WLLM_API int WLLM_FN(wllm_set_decode_mma)(int enable) {
+WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode) {
   const int previous = WLLM_NS::decode::mma_switch();
-  WLLM_NS::decode::g_mma_switch.store(enable != 0 ? 1 : 0);
+  WLLM_NS::decode::g_mma_switch.store(mode == 0 || mode == 2 ? mode : 1);
   return previous;
 }
 

@@ -16,12 +16,13 @@ from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 # Which decode matmuls take the skinny-GEMM kernel instead of cuBLAS, from the H200 measurements
 # (benchmarks/kernels_gemv.py and A/B runs of `wllm bench latency`, RESULTS.md): up to GEMV_MAX_ROWS
 # rows when the weight is at most GEMV_SMALL_WEIGHT_BYTES (Qwen2.5-0.5B's qkv, o, down: 1.1-1.5x at
-# 1-2 rows), and one row when K is at least GEMV_WIDE_MIN_K and the weight at most
-# GEMV_MAX_WEIGHT_BYTES (Llama-3.1-8B's qkv, o, down 1.03-1.16x; gate_up ties alone but with PDL the
-# whole step gains ~1%). Elsewhere cuBLAS ties or wins (a 17 MB weight with K = 896: -2% end to end;
-# anything at 4+ rows).
+# 1-2 rows; its 17 MB gate_up: 1,193 -> 1,294 tok/s end to end once the down projection behind it could
+# load its weights before the PDL wait, which a cuBLAS predecessor does not allow), and one row when K is
+# at least GEMV_WIDE_MIN_K and the weight at most GEMV_MAX_WEIGHT_BYTES (Llama-3.1-8B's qkv, o, down
+# 1.03-1.16x; gate_up ties alone but with PDL the whole step gains ~1%). Elsewhere cuBLAS ties or wins
+# (anything at 4+ rows).
 GEMV_MAX_ROWS = 2
-GEMV_SMALL_WEIGHT_BYTES = 12 << 20
+GEMV_SMALL_WEIGHT_BYTES = 18 << 20
 GEMV_WIDE_MIN_K = 2048
 GEMV_MAX_WEIGHT_BYTES = 256 << 20
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
