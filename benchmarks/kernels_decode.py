@@ -7,10 +7,11 @@ counts, then the same call replayed from a CUDA graph (how the engine runs it), 
 throughput shape (240 sequences of 512-640 tokens, same heads, graph captured for max_seq_len 4,096;
 its own bytes). The latency table times batch-1 decode attention as the engine runs it: a CUDA graph
 captured for max_seq_len 4,096 holding one call per layer, for the Qwen2.5-0.5B and Llama-3.1-8B head
-layouts at contexts 128 and 512, in microseconds per call, with L2 hot (the same few KB every layer)
-and cold (a 256 MB write between calls evicts the KV, as a real step's weight stream does; its own
-time is subtracted). A last table times the fused SiLU-and-mul and the sampler at the same batch for
-context.
+layouts at contexts 128, 512 and 1,024, in microseconds per call, with L2 hot (the same few KB every
+layer) and cold (a 256 MB write between calls evicts the KV, as a real step's weight stream does; its own
+time is subtracted), and hot once more on tensor cores ("MMA hot"; by default batch 1 runs the FMA
+kernel). The large-batch rows run on tensor cores (the default there) and once on the FMA kernel. A
+last table times the fused SiLU-and-mul and the sampler at the same batch for context.
 
     python benchmarks/kernels_decode.py [--batch 64] [--context 4096] [--heads 32] [--kv-heads 8]
         [--head-size 128] [--block-size 16] [--dtype bf16|fp16] [--vocab 128256] [--json]
@@ -89,11 +90,11 @@ def main() -> int:
         rows.append((f"splits {label}", ms))
     ms = time_ms(graphed(run(0, workspace_for(0))))
     rows.append(("splits auto, CUDA graph", ms))
-    with fma_kernel():
+    with decode_kernel(False):
         rows.append(("splits auto, graph, FMA kernel", time_ms(graphed(run(0, workspace_for(0))))))
     rows = [(label, ms, nbytes) for label, ms in rows]
     rows.append(medium_row(dtype, hq, hkv, d, bs))
-    with fma_kernel():
+    with decode_kernel(False):
         label, ms, medium_bytes = medium_row(dtype, hq, hkv, d, bs)
         rows.append((label + ", FMA kernel", ms, medium_bytes))
 
@@ -135,9 +136,10 @@ MEDIUM_BATCH, MEDIUM_CONTEXTS, MEDIUM_MAX_LEN = 240, (512, 640), 4096
 
 
 @contextlib.contextmanager
-def fma_kernel():
-    """Decode attention on the FMA kernel (sm_7x, fp32, head size 256 use it) instead of tensor cores."""
-    previous = kernels.set_decode_mma(False)
+def decode_kernel(tensor_cores: bool):
+    """Decode attention on tensor cores for every batch (True), or on the FMA kernel (False: the one sm_7x,
+    fp32 and head size 256 use), instead of the default (tensor cores for large batches only)."""
+    previous = kernels.set_decode_mma(tensor_cores, small_batch=True)
     try:
         yield
     finally:
@@ -187,16 +189,16 @@ def latency_table(dtype: torch.dtype, layers: int, contexts: tuple[int, ...] = (
     results = []
     print(f"\nlatency: batch 1, graph captured for max_seq_len {max_len}, {layers} calls per graph "
           f"(one per layer), block size {block_size}; target <= {LATENCY_TARGET_US:.0f} us per layer")
-    print(f"{'model heads':<28}{'context':>8}{'grid splits':>12}{'hot us':>9}{'cold us':>9}{'FMA hot':>9}"
+    print(f"{'model heads':<28}{'context':>8}{'grid splits':>12}{'hot us':>9}{'cold us':>9}{'MMA hot':>9}"
           f"{'floor us':>10}{'max err':>10}")
     for name, hq, hkv, d in LATENCY_LAYOUTS:
         for ctx in contexts:
             row = _latency_row(dtype, layers, hq, hkv, d, ctx, max_len, block_size, flush)
-            with fma_kernel():
-                row["fma_hot_us"] = _latency_row(dtype, layers, hq, hkv, d, ctx, max_len, block_size, flush)["hot_us"]
+            with decode_kernel(True):
+                row["mma_hot_us"] = _latency_row(dtype, layers, hq, hkv, d, ctx, max_len, block_size, flush)["hot_us"]
             label = f"{name} {hq}/{hkv} D={d}"
             print(f"{label:<28}{ctx:>8}{row['grid_splits']:>12}{row['hot_us']:>9.2f}{row['cold_us']:>9.2f}"
-                  f"{row['fma_hot_us']:>9.2f}{row['floor_us']:>10.3f}{row['max_err']:>10.1e}")
+                  f"{row['mma_hot_us']:>9.2f}{row['floor_us']:>10.3f}{row['max_err']:>10.1e}")
             results.append({"model": name, "context": ctx, **row})
     return results
 

@@ -51,10 +51,10 @@ WLLM_API int WLLM_FN(wllm_device_check)(int device, int* binary_sm, int* ptx_ver
 WLLM_API int WLLM_FN(wllm_set_pdl)(int enable);
 
 // Paged decode attention on tensor cores (sm_80+, fp16/bf16, head sizes up to 128) or on the FMA kernel
-// that older GPUs, fp32 and head size 256 use. Modes: 1 = tensor cores wherever they apply (default),
-// 2 = tensor cores for large batches only (small ones on the FMA kernel), 0 = the FMA kernel everywhere.
-// WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=0 in the environment (read at the first launch) set
-// modes 0 / 2. Returns the previous mode; affects launches made after the call.
+// that older GPUs, fp32 and head size 256 use. Modes: 2 = tensor cores for large batches, the FMA kernel
+// for small ones (default), 1 = tensor cores wherever they apply, 0 = the FMA kernel everywhere.
+// WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=1 in the environment (read at the first launch) set
+// modes 0 / 1. Returns the previous mode; affects launches made after the call.
 WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode);
 
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (weight + weight_offset), in fp32.

@@ -33,20 +33,20 @@ int check_launch(const char* what) {
 // on); wllm_set_pdl overrides it. Atomic because launches may come from several host threads.
 static std::atomic<int> g_pdl_switch(-1);
 
-bool env_switch_on(const char* name) {
+bool env_equals(const char* name, const char* value) {
 #if defined(_MSC_VER)
   // getenv is "deprecated" under MSVC (C4996); _dupenv_s is its warning-free equivalent.
-  char* value = nullptr;
+  char* found = nullptr;
   size_t length = 0;
-  bool enabled = true;
-  if (_dupenv_s(&value, &length, name) == 0 && value != nullptr) {
-    enabled = strcmp(value, "0") != 0;
-    free(value);
+  bool equal = false;
+  if (_dupenv_s(&found, &length, name) == 0 && found != nullptr) {
+    equal = strcmp(found, value) == 0;
+    free(found);
   }
-  return enabled;
+  return equal;
 #else
-  const char* value = getenv(name);
-  return !(value != nullptr && strcmp(value, "0") == 0);
+  const char* found = getenv(name);
+  return found != nullptr && strcmp(found, value) == 0;
 #endif
 }
 

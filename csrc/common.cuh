@@ -94,8 +94,11 @@ bool pdl_enabled();
 // Compute-capability major of the current device (cached per device), 0 if it cannot be read.
 int current_device_major();
 
-// Reads an on/off switch from the environment once per process: 0 when the variable is "0", else 1.
-bool env_switch_on(const char* name);
+// True when the environment variable `name` is set to exactly `value`.
+bool env_equals(const char* name, const char* value);
+
+// An on-by-default switch from the environment: false only when the variable is "0".
+inline bool env_switch_on(const char* name) { return !env_equals(name, "0"); }
 
 // Launches `kernel` like kernel<<<grid, block, smem, stream>>>(args...), with the programmatic
 // stream serialization attribute when pdl_enabled(). Returns the launch's error (also left for

@@ -24,11 +24,12 @@ UNUSED = 2**30  # block-table entries past a sequence's blocks: a kernel that re
 
 @pytest.fixture(params=["mma", "fma"])
 def decode_kernel(request):
-    """Runs a CUDA decode-attention test on the tensor-core kernel and again on the FMA kernel (the one
-    sm_7x GPUs, fp32 and head size 256 use); the switch only changes anything where both apply."""
-    previous = kernels.set_decode_mma(request.param == "mma")
+    """Runs a CUDA decode-attention test on the tensor-core kernels (small batches included) and again on
+    the FMA kernel (the one sm_7x GPUs, fp32 and head size 256 use); the default mixes the two by batch
+    size. The switch only changes anything where both apply."""
+    previous = kernels.set_decode_mma(request.param == "mma", small_batch=True)
     yield request.param
-    kernels.set_decode_mma(previous)
+    kernels.set_decode_mma(previous)  # back to the default mode (small batches on the FMA kernel)
 
 
 def make_paged(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_size: int, block_size: int,

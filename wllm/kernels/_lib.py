@@ -208,11 +208,11 @@ def set_pdl(enabled: bool, device: int = 0) -> bool:
     return bool(binding(device).wllm_set_pdl(1 if enabled else 0))
 
 
-def set_decode_mma(enabled: bool, small_batch: bool = True, device: int = 0) -> bool:
-    """Run paged decode attention on tensor cores (sm_80+, fp16/bf16, head sizes up to 128; the default)
-    or on the FMA kernel that older GPUs, fp32 and head size 256 use, for launches made from now on;
-    small_batch=False keeps small batches (a few sequences) on the FMA kernel. Returns whether tensor
-    cores were on before. WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=0 in the environment set the
-    initial state."""
+def set_decode_mma(enabled: bool, small_batch: bool = False, device: int = 0) -> bool:
+    """Run paged decode attention on tensor cores (sm_80+, fp16/bf16, head sizes up to 128) or on the FMA
+    kernel that older GPUs, fp32 and head size 256 use, for launches made from now on. By default
+    (enabled, small_batch=False) small batches (a few sequences) stay on the FMA kernel, which measured as
+    fast there; small_batch=True uses tensor cores for them too. Returns whether tensor cores were on
+    before. WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=1 in the environment set the initial state."""
     mode = (1 if small_batch else 2) if enabled else 0
     return bool(binding(device).wllm_set_decode_mma(mode))
