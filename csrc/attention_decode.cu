@@ -774,23 +774,21 @@ struct MmaTiling {
   static_assert(S >= 2 && SMEM_BYTES <= 96 * 1024, "fits every sm_80+ GPU's shared memory per block");
 };
 
+// Four 8x8 matrices of 16-bit values from shared memory (lanes 8i..8i+7 address the rows of matrix i),
+// transposed with TRANS; fragment layout.
+template <bool TRANS>
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* ptr) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned a = (unsigned)__cvta_generic_to_shared(ptr);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-#else
-  r[0] = r[1] = r[2] = r[3] = 0u;  // never launched below sm_80
-#endif
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* ptr) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned a = (unsigned)__cvta_generic_to_shared(ptr);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
+  if (TRANS) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+  }
 #else
   r[0] = r[1] = r[2] = r[3] = 0u;  // never launched below sm_80
 #endif
@@ -902,7 +900,7 @@ __global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Par
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t a[4];
-      ldsm_x4(a, k_tile + (r0 + (lane & 15)) * ROW + (kk * 16 + (lane >> 4) * 8) * 2);
+      ldsm_x4<false>(a, k_tile + (r0 + (lane & 15)) * ROW + (kk * 16 + (lane >> 4) * 8) * 2);
       mma16816<T>(c, a, qb[kk][0], qb[kk][1]);
     }
     // c: tokens qr (c[0], c[1]) and qr + 8 (c[2], c[3]) of heads 2qd, 2qd + 1.
@@ -939,7 +937,7 @@ __global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Par
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
       uint32_t a[4];
-      ldsm_x4_trans(a, v_tile + (r0 + (lane & 7) + ((lane >> 4) << 3)) * ROW + (mt * 16 + ((lane >> 3) & 1) * 8) * 2);
+      ldsm_x4<true>(a, v_tile + (r0 + (lane & 7) + ((lane >> 4) << 3)) * ROW + (mt * 16 + ((lane >> 3) & 1) * 8) * 2);
       mma16816<T>(o[mt], a, b0, b1);
     }
   }

@@ -297,6 +297,26 @@ constexpr int kRgMaxThreads = 512;  // CTA of 128, 256 or 512 threads (chosen by
 constexpr int kRgUnroll = 8;        // 16-byte loads per lane in flight (one row: U * 16 B per lane)
 constexpr int kRgPrefetch = 32;     // L2 prefetches per lane of the first row, issued before the PDL wait
 
+// acc[m] += (8 weights of chunk c, already loaded) . (the same 8 elements of row m of the staged x), for
+// the p.m rows of x.
+template <typename T, int MAXM>
+__device__ __forceinline__ void fma_chunk(const Pack<T, 8>& w, const T* xs, const GemvParams<T>& p, int c,
+                                          float (&acc)[MAXM]) {
+  float wf[8];
+  w.to_float(wf);
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    if (m < p.m) {
+      Pack<T, 8> xv;
+      xv.load_shared(xs + m * p.k_pad + c * 8);
+      float xf[8];
+      xv.to_float(xf);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[m] = fmaf(wf[j], xf[j], acc[m]);
+    }
+  }
+}
+
 // Sum over the G lanes of this lane's group (aligned runs of G lanes in the warp); every lane of the
 // group gets the sum. The mask names only the group, so groups of one warp may diverge in trip count.
 template <int G>
@@ -304,6 +324,21 @@ __device__ __forceinline__ float group_sum(float v, unsigned mask) {
 #pragma unroll
   for (int offset = G / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(mask, v, offset, G);
   return v;
+}
+
+// Sums each row's partials over the group and adds the bias; lane m of the group writes row m of x's
+// result to column n (MAXM <= G). Every lane of the group must call it (shuffles).
+template <typename T, int MAXM, int G>
+__device__ __forceinline__ void write_group_rows(const GemvParams<T>& p, int n, int lane, unsigned mask,
+                                                 const float (&acc)[MAXM]) {
+  const float b = (p.bias != nullptr && lane < p.m) ? Conv<T>::to_float(p.bias[n]) : 0.0f;
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    if (m < p.m) {  // uniform over the group
+      const float s = group_sum<G>(acc[m], mask);
+      if (lane == m) p.out[m * p.ldo + n] = Conv<T>::from_float(s + b);
+    }
+  }
 }
 
 // Grid: persistent CTAs; lanes [g * G, (g + 1) * G) of the CTA form group g. Global group q takes rows
@@ -354,32 +389,10 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
 #pragma unroll
       for (int u = 0; u < kRgUnroll; ++u) {
         const int c = c0 + u * G + lane;
-        if (c < chunks) {
-          float wf[8];
-          wv[u].to_float(wf);
-#pragma unroll
-          for (int m = 0; m < MAXM; ++m) {
-            if (m < p.m) {
-              Pack<T, 8> xv;
-              xv.load_shared(xs + m * p.k_pad + c * 8);
-              float xf[8];
-              xv.to_float(xf);
-#pragma unroll
-              for (int j = 0; j < 8; ++j) acc[m] = fmaf(wf[j], xf[j], acc[m]);
-            }
-          }
-        }
+        if (c < chunks) fma_chunk<T, MAXM>(wv[u], xs, p, c, acc);
       }
     }
-    // Lane m of the group writes row m of x's result (MAXM <= 4 <= G).
-    const float b = (p.bias != nullptr && lane < p.m) ? Conv<T>::to_float(p.bias[n]) : 0.0f;
-#pragma unroll
-    for (int m = 0; m < MAXM; ++m) {
-      if (m < p.m) {  // uniform: every lane of the group joins the shuffles
-        const float s = group_sum<G>(acc[m], mask);
-        if (lane == m) p.out[m * p.ldo + n] = Conv<T>::from_float(s + b);
-      }
-    }
+    write_group_rows<T, MAXM, G>(p, n, lane, mask, acc);
   }
 }
 
@@ -524,38 +537,14 @@ __global__ void __launch_bounds__(kPfMaxThreads, 1) gemv_prefetch_kernel(const G
 #pragma unroll
         for (int u = 0; u < kPfUnroll; ++u) {
           const int c = c0 + u * team_lanes + tl;
-          if (c < chunks) {
-            float wf[8];
-            wv[u].to_float(wf);
-#pragma unroll
-            for (int m = 0; m < MAXM; ++m) {
-              if (m < p.m) {
-                Pack<T, 8> xv;
-                xv.load_shared(xs + m * p.k_pad + c * 8);
-                float xf[8];
-                xv.to_float(xf);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[m] = fmaf(wf[j], xf[j], acc[m]);
-              }
-            }
-          }
+          if (c < chunks) fma_chunk<T, MAXM>(wv[u], xs, p, c, acc);
         }
       }
     }
     preloaded = false;
 
     if (p.wk == 1) {
-      // Lane m of the group writes row m of x's result.
-      if (n < p.n) {
-        const float b = (p.bias != nullptr && lane < p.m) ? Conv<T>::to_float(p.bias[n]) : 0.0f;
-#pragma unroll
-        for (int m = 0; m < MAXM; ++m) {
-          if (m < p.m) {  // uniform: every lane of the group joins the shuffles
-            const float s = group_sum<G>(acc[m], mask);
-            if (lane == m) p.out[m * p.ldo + n] = Conv<T>::from_float(s + b);
-          }
-        }
-      }
+      if (n < p.n) write_group_rows<T, MAXM, G>(p, n, lane, mask, acc);
     } else {
       // G == 32 here: whole warps. Each warp's partial sums go to shared memory, then one thread per
       // (row, m) adds the team's p.wk warps. Double-buffered: the buffer written here was last read two
