@@ -6,8 +6,8 @@
 // through shared memory in tiles of TT tokens with an S-stage cp.async pipeline (sm_80+; plain loads on
 // older GPUs): the K and V loads of a tile are issued together, S - 1 tiles ahead of the one being
 // computed, so a CTA pays about one memory latency however many tiles it reads. Block-table entries go
-// through shared memory in windows of 128, each loaded a whole window ahead, so no tile issue waits on a
-// table read. There is one __syncthreads per tile: each token group of lanes keeps its own online
+// through shared memory in windows of one entry per thread, each loaded a whole window ahead, so no tile
+// issue waits on a table read. There is one __syncthreads per tile: each token group of lanes keeps its own online
 // softmax (max, sum) and fp32 accumulator, and groups and warps are combined once at the end.
 //
 // Splits (flash-decoding): with few sequences the context is split over blockIdx.z. A sequence spreads
@@ -20,8 +20,12 @@
 // with no second launch. The grid only depends on host-side sizes, so a CUDA graph captured for a
 // maximum context stays valid for shorter ones.
 //
-// Lane layout: LPT lanes share one token, each loading VEC contiguous elements per vector and NV
-// vectors (strided by LPT * VEC) of the head; a warp covers TPW = 32 / LPT tokens at a time. LPT
+// Two kernels share that structure (Work/plan_work, Pipeline, finish): the FMA kernel below (every GPU,
+// dtype and head size) and the tensor-core kernel further down (sm_80+, fp16/bf16, head sizes up to
+// 128), which runs large batches by default; launch_for_gq chooses.
+//
+// FMA kernel lane layout: LPT lanes share one token, each loading VEC contiguous elements per vector and
+// NV vectors (strided by LPT * VEC) of the head; a warp covers TPW = 32 / LPT tokens at a time. LPT
 // and VEC are chosen so that a lane holds at most ~32 fp32 values of q (and of the accumulator).
 #include <limits.h>
 #include <math.h>
@@ -740,8 +744,8 @@ constexpr int kMmaHeads = 8;  // query heads per CTA: the n side of the MMA (pad
 
 // Two stage counts per head size: STAGES_BW keeps a CTA within 44 KB, so that the many CTAs of a large
 // batch are all resident at once (bandwidth); STAGES_LAT (dynamic shared memory up to ~70 KB) puts a
-// whole short context -- or a whole split -- in flight before pdl_wait() for the few CTAs of a small
-// batch (latency), whose splits then cover S - 1 tiles each.
+// short context in flight before pdl_wait() for the few CTAs of a small batch (latency; used for small
+// batches only with WLLM_DECODE_MMA_SMALL_BATCH=1, see mma_switch).
 template <int D>
 struct MmaStages {
   static constexpr int STAGE_BYTES = 2 * 32 * (D * 2 + 16);
