@@ -748,7 +748,11 @@ constexpr int kMmaHeads = 8;  // query heads per CTA: the n side of the MMA (pad
 // batches only with WLLM_DECODE_MMA_SMALL_BATCH=1, see mma_switch).
 template <int D>
 struct MmaStages {
-  static constexpr int STAGE_BYTES = 2 * 32 * (D * 2 + 16);
+  static constexpr int TT = 16 * (kMmaThreads / 32);  // tokens per tile: 16 per warp
+  // +16 bytes per row: the 8 rows of an 8x8 ldmatrix (16 bytes each) then start 4 banks apart (D = 64,
+  // 128) or at other distinct multiples of 4 banks (D = 80, 96): conflict-free, and cp.async stays aligned.
+  static constexpr int ROW_BYTES = D * 2 + 16;
+  static constexpr int STAGE_BYTES = 2 * TT * ROW_BYTES;  // K and V
   static constexpr int STAGES_BW = cmin(6, cmax(2, kStageBudget / STAGE_BYTES));
   static constexpr int STAGES_LAT = cmax(STAGES_BW, D >= 96 ? 4 : 6);
 };
@@ -756,11 +760,8 @@ struct MmaStages {
 template <typename T, int D, int STAGES>
 struct MmaTiling {
   static constexpr int THREADS = kMmaThreads, WARPS = kMmaThreads / 32;
-  // +16 bytes per row: the 8 rows of an 8x8 ldmatrix (16 bytes each) then start 4 banks apart (D = 64,
-  // 128) or at other distinct multiples of 4 banks (D = 80, 96): conflict-free, and cp.async stays aligned.
-  static constexpr int ROW_BYTES = D * 2 + 16;
-  static constexpr int TT = 16 * WARPS;  // each warp takes 16 tokens of a tile
-  static constexpr int STAGE_BYTES = 2 * TT * ROW_BYTES;
+  static constexpr int ROW_BYTES = MmaStages<D>::ROW_BYTES, TT = MmaStages<D>::TT;
+  static constexpr int STAGE_BYTES = MmaStages<D>::STAGE_BYTES;
   static constexpr int S = STAGES;
   static constexpr bool LATENCY = STAGES > MmaStages<D>::STAGES_BW;
   static constexpr int CPR = D * 2 / 16;
@@ -773,7 +774,6 @@ struct MmaTiling {
   static constexpr int SINGLE_MAX = LATENCY ? 4 * TT : UNIT + kSinglePassExtraTiles * TT;
   static constexpr int ACC_BYTES = WARPS * kMmaHeads * D * 4;
   static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);  // dynamic shared memory
-  static_assert(STAGE_BYTES == MmaStages<D>::STAGE_BYTES, "stage size");
   static_assert(D % 16 == 0, "head size must be a multiple of the MMA's k = 16");
   static_assert(S >= 2 && SMEM_BYTES <= 96 * 1024, "fits every sm_80+ GPU's shared memory per block");
 };
@@ -807,29 +807,12 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t v) {
   return r;
 }
 
+// Two floats rounded to T and packed into one 32-bit register, lo in the low half (fragment order).
 template <typename T>
-struct IsBf16 {
-  static constexpr bool value = false;
-};
-template <>
-struct IsBf16<__nv_bfloat16> {
-  static constexpr bool value = true;
-};
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T v[2] = {Conv<T>::from_float(lo), Conv<T>::from_float(hi)};
   uint32_t r;
-  memcpy(&r, &h, 4);
-  return r;
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &h, 4);
+  memcpy(&r, v, 4);
   return r;
 }
 
@@ -837,7 +820,7 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (IsBf16<T>::value) {
+  if (std::is_same<T, __nv_bfloat16>::value) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -1096,48 +1079,25 @@ static int mma_mode_from_environment() {
   return env_equals("WLLM_DECODE_MMA_SMALL_BATCH", "1") ? 1 : 2;
 }
 
-static int mma_switch() {
-  int value = g_mma_switch.load(std::memory_order_relaxed);
-  if (value < 0) {
-    int expected = -1;
-    g_mma_switch.compare_exchange_strong(expected, mma_mode_from_environment());
-    value = g_mma_switch.load(std::memory_order_relaxed);
-  }
-  return value;
-}
+static int mma_switch() { return lazy_setting(g_mma_switch, mma_mode_from_environment); }
 
 // The tensor-core kernel: sm_80+, 16-bit types, head sizes up to 128 (a CTA serves <= 8 query heads, as
 // make_plan chunks the group for those sizes), unless switched off.
-// Multiprocessors of the current device (the first device asked, cached: one model runs on one kind of GPU).
-static int device_sms() {
-  static std::atomic<int> sms(0);
-  int n = sms.load(std::memory_order_relaxed);
-  if (n == 0) {
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) !=
-                                                     cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    sms.store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 template <typename T>
-static bool use_mma(int head_size) {
+static bool use_mma(int head_size, const DeviceProps& dev) {
   if (std::is_same<T, float>::value || head_size > 128) return false;
-  return mma_switch() && current_device_major() >= 8;
+  return mma_switch() && dev.major >= 8;
 }
 
 template <typename T, int D>
 static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
   if constexpr (!std::is_same<T, float>::value && D <= 128) {
-    if (use_mma<T>(D)) {
+    DeviceProps dev;
+    if (current_device_props(&dev) == WLLM_OK && use_mma<T>(D, dev)) {
       // Few CTAs (a small batch): the latency variant, whose deeper pipeline puts a short context or a
       // whole split in flight before pdl_wait(). Many: the bandwidth variant, small enough that the
       // whole grid is resident at once.
-      const bool few = (int64_t)grid.x * 4 <= (int64_t)device_sms();
+      const bool few = (int64_t)grid.x * 4 <= (int64_t)dev.sms;
       if (few && mma_switch() == 2) {
         // small batches on the FMA kernel (below)
       } else if (few ? launch_mma_kernel<T, D, MmaStages<D>::STAGES_LAT>(p, grid, s)

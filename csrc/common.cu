@@ -52,36 +52,52 @@ bool env_equals(const char* name, const char* value) {
 
 static int pdl_from_environment() { return env_switch_on("WLLM_PDL") ? 1 : 0; }
 
-// Per-device compute-capability major: 0 = not asked yet. Devices past the table are asked every time.
+// Per-device properties, filled once (`ready` marks a filled entry). Devices past the table are asked
+// every time. Written at most once per entry with the same values, so a race between threads is benign;
+// `ready` orders the fields before the flag.
 constexpr int kMaxCachedDevices = 64;
-static std::atomic<int> g_device_major[kMaxCachedDevices];
+static DeviceProps g_device_props[kMaxCachedDevices];
+static std::atomic<int> g_device_ready[kMaxCachedDevices];
 
-static int pdl_switch() {
-  int value = g_pdl_switch.load(std::memory_order_relaxed);
+int lazy_setting(std::atomic<int>& setting, int (*from_environment)()) {
+  int value = setting.load(std::memory_order_relaxed);
   if (value < 0) {
     int expected = -1;
-    g_pdl_switch.compare_exchange_strong(expected, pdl_from_environment());
-    value = g_pdl_switch.load(std::memory_order_relaxed);
+    setting.compare_exchange_strong(expected, from_environment());
+    value = setting.load(std::memory_order_relaxed);
   }
   return value;
 }
 
-int current_device_major() {
+static int pdl_switch() { return lazy_setting(g_pdl_switch, pdl_from_environment); }
+
+int current_device_props(DeviceProps* props) {
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();  // not sticky; the launch itself will report a real problem
-    return 0;
+  cudaError_t err = cudaGetDevice(&device);
+  const bool cached = err == cudaSuccess && device >= 0 && device < kMaxCachedDevices;
+  if (cached && g_device_ready[device].load(std::memory_order_acquire)) {
+    *props = g_device_props[device];
+    return WLLM_OK;
   }
-  const bool cached = device >= 0 && device < kMaxCachedDevices;
-  int major = cached ? g_device_major[device].load(std::memory_order_relaxed) : 0;
-  if (major == 0) {
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    if (cached) g_device_major[device].store(major, std::memory_order_relaxed);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&props->major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&props->sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&props->max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   }
-  return major;
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not sticky: later calls start clean
+    return fail(WLLM_ERR_CUDA, "cannot read the device's properties: %s", cudaGetErrorString(err));
+  }
+  if (cached) {
+    g_device_props[device] = *props;
+    g_device_ready[device].store(1, std::memory_order_release);
+  }
+  return WLLM_OK;
+}
+
+int current_device_major() {
+  DeviceProps props;
+  return current_device_props(&props) == WLLM_OK ? props.major : 0;
 }
 
 bool pdl_enabled() { return pdl_switch() && current_device_major() >= 9; }

@@ -1,5 +1,7 @@
 // Shared helpers for every kernel file: error reporting, dtype dispatch, conversions.
 #pragma once
+#include <atomic>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -91,8 +93,22 @@ __device__ __forceinline__ void pdl_wait_and_trigger() {
 // PDL is switched on (WLLM_PDL=0 in the environment switches it off; wllm_set_pdl() at run time).
 bool pdl_enabled();
 
-// Compute-capability major of the current device (cached per device), 0 if it cannot be read.
+// What launch code needs to know of the current device, read once per device.
+struct DeviceProps {
+  int major;     // compute capability major
+  int sms;       // multiprocessors
+  int max_smem;  // opt-in shared memory per block, bytes
+};
+
+// The current device's properties (cached per device); WLLM_OK, or an error code with the message set.
+int current_device_props(DeviceProps* props);
+
+// Compute-capability major of the current device, 0 if it cannot be read.
 int current_device_major();
+
+// A process-wide setting read lazily: -1 until first used, then from_environment()'s value (unless a
+// setter stored one first). Atomic because launches may come from several host threads.
+int lazy_setting(std::atomic<int>& setting, int (*from_environment)());
 
 // True when the environment variable `name` is set to exactly `value`.
 bool env_equals(const char* name, const char* value);

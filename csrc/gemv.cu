@@ -113,6 +113,15 @@ struct Pack<T, 1> {
   __device__ __forceinline__ void to_float(float (&f)[1]) const { f[0] = Conv<T>::to_float(v); }
 };
 
+// gate (8 elements of T in 16 bytes) <- act(gate) * up, rounded to T.
+template <typename T, int PRO>
+__device__ __forceinline__ void apply_gate(uint4& gate, const uint4& up) {
+  T* g = reinterpret_cast<T*>(&gate);
+  const T* u = reinterpret_cast<const T*>(&up);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) g[j] = Conv<T>::from_float(gated<PRO>(Conv<T>::to_float(g[j]), Conv<T>::to_float(u[j])));
+}
+
 // Writes x (or act(gate) * up) rows 0..m-1 into shared memory, rounded to T.
 template <typename T, int PRO>
 __device__ __forceinline__ void stage_x(T* xs, const GemvParams<T>& p) {
@@ -128,15 +137,7 @@ __device__ __forceinline__ void stage_x(T* xs, const GemvParams<T>& p) {
       const int c = (i - r * per_row) * 8;
       const T* src = p.x + r * p.ldx + c;
       uint4 a = __ldg(reinterpret_cast<const uint4*>(src));
-      if (PRO != PROLOGUE_NONE) {
-        const uint4 b = __ldg(reinterpret_cast<const uint4*>(src + gate_width));
-        T* ga = reinterpret_cast<T*>(&a);
-        const T* ub = reinterpret_cast<const T*>(&b);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          ga[j] = Conv<T>::from_float(gated<PRO>(Conv<T>::to_float(ga[j]), Conv<T>::to_float(ub[j])));
-        }
-      }
+      if (PRO != PROLOGUE_NONE) apply_gate<T, PRO>(a, __ldg(reinterpret_cast<const uint4*>(src + gate_width)));
       *reinterpret_cast<uint4*>(xs + r * p.k_pad + c) = a;
     }
   } else {
@@ -450,14 +451,7 @@ __device__ __forceinline__ void stage_x_batched(T* xs, const GemvParams<T>& p) {
       const int i = base + j * blockDim.x;
       if (i < total) {
         const int r = i / per_row;
-        if (PRO != PROLOGUE_NONE) {
-          T* ga = reinterpret_cast<T*>(&a[j]);
-          const T* ub = reinterpret_cast<const T*>(&b[j]);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            ga[e] = Conv<T>::from_float(gated<PRO>(Conv<T>::to_float(ga[e]), Conv<T>::to_float(ub[e])));
-          }
-        }
+        if (PRO != PROLOGUE_NONE) apply_gate<T, PRO>(a[j], b[j]);
         *reinterpret_cast<uint4*>(xs + r * p.k_pad + (i - r * per_row) * 8) = a[j];
       }
     }
@@ -571,22 +565,6 @@ __global__ void __launch_bounds__(kPfMaxThreads, 1) gemv_prefetch_kernel(const G
   }
 }
 
-struct DeviceInfo {
-  int sms;
-  int max_smem;  // opt-in shared memory per block, bytes
-};
-
-int device_info(DeviceInfo* info) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&info->sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(&info->max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
-  if (err != cudaSuccess) return fail(WLLM_ERR_CUDA, "gemv: %s", cudaGetErrorString(err));
-  return WLLM_OK;
-}
-
 size_t smem_bytes(int m, int k_pad, int elem, int warps, int maxm) {
   const size_t x_bytes = (static_cast<size_t>(m) * k_pad * elem + 15) & ~size_t(15);
   return x_bytes + static_cast<size_t>(2) * warps * maxm * kRows * sizeof(float);
@@ -613,7 +591,7 @@ int configure(Kernel kernel, int threads, size_t smem, int* per_sm) {
 // Row-group kernel: chooses the CTA size, sizes a persistent grid that gives every CTA the same number
 // of rows, launches.
 template <typename T, int PRO, int MAXM, int G>
-int launch_row_group(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
+int launch_row_group(GemvParams<T> p, const DeviceProps& dev, cudaStream_t stream) {
   auto kernel = gemv_row_group_kernel<T, PRO, MAXM, G>;
   const size_t smem = static_cast<size_t>(p.m) * p.k_pad * sizeof(T);
   // 512-thread CTAs when few CTAs fit per SM (x fills shared memory, or the activation caps residency
@@ -643,7 +621,7 @@ int launch_row_group(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream
 }
 
 template <typename T, int PRO, int MAXM>
-int launch_row_group_lanes(GemvParams<T> p, int lanes, const DeviceInfo& dev, cudaStream_t stream) {
+int launch_row_group_lanes(GemvParams<T> p, int lanes, const DeviceProps& dev, cudaStream_t stream) {
   if (lanes == 32) return launch_row_group<T, PRO, MAXM, 32>(p, dev, stream);
   if (lanes == 16) return launch_row_group<T, PRO, MAXM, 16>(p, dev, stream);
   return launch_row_group<T, PRO, MAXM, 8>(p, dev, stream);
@@ -653,7 +631,7 @@ int launch_row_group_lanes(GemvParams<T> p, int lanes, const DeviceInfo& dev, cu
 // covers a whole row where it can, the CTA size so that every SM gets work, and a grid that is entirely
 // resident (a CTA that is not resident cannot load anything before the wait).
 template <typename T, int PRO, int MAXM, int G>
-int launch_prefetch(GemvParams<T> p, int wk, const DeviceInfo& dev, cudaStream_t stream) {
+int launch_prefetch(GemvParams<T> p, int wk, const DeviceProps& dev, cudaStream_t stream) {
   auto kernel = gemv_prefetch_kernel<T, PRO, MAXM, G>;
   p.wk = wk;
   const int team_lanes = G * wk;
@@ -693,7 +671,7 @@ int launch_prefetch(GemvParams<T> p, int wk, const DeviceInfo& dev, cudaStream_t
 // whole rows (K = 896: 8 lanes x 14 chunks; 4096: one warp x 16; 4864: two warps x 9.5; 14336: four
 // warps x 14).
 template <typename T, int PRO, int MAXM>
-int launch_prefetch_lanes(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
+int launch_prefetch_lanes(GemvParams<T> p, const DeviceProps& dev, cudaStream_t stream) {
   const int chunks = p.k / 8;
   if (chunks <= 8 * kPfUnroll) return launch_prefetch<T, PRO, MAXM, 8>(p, 1, dev, stream);
   if (chunks <= 16 * kPfUnroll) return launch_prefetch<T, PRO, MAXM, 16>(p, 1, dev, stream);
@@ -704,7 +682,7 @@ int launch_prefetch_lanes(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t s
 
 // Split-K kernel: chooses warps per task and CTA size, reserves shared memory, sizes the persistent grid, launches.
 template <typename T, int PRO, int MAXM, int VEC>
-int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
+int launch(GemvParams<T> p, const DeviceProps& dev, cudaStream_t stream) {
   auto kernel = gemv_kernel<T, PRO, MAXM, VEC>;
   const int chunks = p.k / VEC;
   const int64_t target_warps = static_cast<int64_t>(dev.sms) * 16;
@@ -734,7 +712,7 @@ int launch(GemvParams<T> p, const DeviceInfo& dev, cudaStream_t stream) {
 }
 
 template <typename T, int PRO>
-int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceInfo& dev, cudaStream_t stream) {
+int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceProps& dev, cudaStream_t stream) {
   // Automatic: the register-prefetch kernel where it measured fastest behind the kernel that writes x
   // (H200, benchmarks/kernels_gemv.py, PDL chain): one row, and either the activation fused in with K up
   // to 8K (Qwen2.5-0.5B's down projection: 4.35 us vs 6.3 for the row-group kernel) or K >= 2048 with W up
@@ -769,8 +747,8 @@ int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceInfo& dev, c
 template <typename T>
 int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n, int64_t k, int64_t ldo,
              int64_t ldx, int64_t ldw, int prologue, int variant, cudaStream_t stream) {
-  DeviceInfo dev;
-  int status = device_info(&dev);
+  DeviceProps dev;
+  int status = current_device_props(&dev);
   if (status != WLLM_OK) return status;
   const bool vec = k % 8 == 0 && ldw % 8 == 0 && (reinterpret_cast<uintptr_t>(w) & 15u) == 0;
   const bool x_vec = k % 8 == 0 && ldx % 8 == 0 && (reinterpret_cast<uintptr_t>(x) & 15u) == 0;

@@ -5,6 +5,8 @@ Every test ends with all KV blocks (GPU and CPU pool) free and no request left.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from model_utils import VOCAB, hf_greedy, hf_logits, tiny_hf_model
@@ -237,11 +239,11 @@ def test_abort_frees_blocks_within_one_step(tmp_path_factory):
     assert_all_free(engine)
 
 
-def test_failing_step_fails_its_requests_and_engine_keeps_serving(tmp_path_factory):
-    model, hf = tiny("llama", tmp_path_factory)
-    engine = engine_for(model)
+@contextlib.contextmanager
+def poisoned_forward(model, poison: int):
+    """While active, the model's forward raises RuntimeError("poisoned batch") for any batch holding the
+    token `poison` (a failing step), and runs normally otherwise."""
     real_forward = model.forward
-    poison = 299
 
     def forward(input_ids, positions, ctx):
         if (input_ids == poison).any():
@@ -250,6 +252,16 @@ def test_failing_step_fails_its_requests_and_engine_keeps_serving(tmp_path_facto
 
     model.forward = forward
     try:
+        yield
+    finally:
+        del model.forward
+
+
+def test_failing_step_fails_its_requests_and_engine_keeps_serving(tmp_path_factory):
+    model, hf = tiny("llama", tmp_path_factory)
+    engine = engine_for(model)
+    poison = 299
+    with poisoned_forward(model, poison):
         outs = engine.generate([[5, 6, poison]], GREEDY)
         assert outs[0].error == "RuntimeError: poisoned batch"
         assert outs[0].finished and outs[0].outputs[0].finish_reason == "error"
@@ -257,8 +269,6 @@ def test_failing_step_fails_its_requests_and_engine_keeps_serving(tmp_path_facto
         assert_all_free(engine)
         good = engine.generate([[5, 6, 7]], GREEDY)[0]
         assert good.error is None and good.outputs[0].token_ids == hf_greedy(hf, [5, 6, 7], MAX_TOKENS)
-    finally:
-        del model.forward
     assert_all_free(engine)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_utils import tiny_hf_model
-from test_engine import CharTokenizer, assert_all_free, make_prompts, run_staggered, tiny
+from test_engine import CharTokenizer, assert_all_free, make_prompts, poisoned_forward, run_staggered, tiny
 from test_engine_cuda_path import ReplayedEagerly
 
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -241,15 +241,7 @@ def test_a_failing_step_ahead_fails_its_requests_as_in_step(make, tmp_path_facto
     prompt = make_prompts()[7]
     ref = make(False).generate([prompt], greedy(10))[0].outputs[0].token_ids
     poison = next(t for i, t in enumerate(ref[2:], 2) if t not in ref[:i] and t not in prompt)
-    real_forward = model.forward
-
-    def forward(input_ids, positions, ctx):
-        if (input_ids == poison).any():
-            raise RuntimeError("poisoned batch")
-        return real_forward(input_ids, positions, ctx)
-
-    model.forward = forward
-    try:
+    with poisoned_forward(model, poison):
         outs = []
         for async_on in (False, True):
             engine = make(async_on)
@@ -260,8 +252,6 @@ def test_a_failing_step_ahead_fails_its_requests_as_in_step(make, tmp_path_facto
         assert seen(outs[1]) == seen(outs[0])
         assert outs[1].outputs[0].token_ids == ref[:ref.index(poison) + 1]
         assert "launching a step ahead failed" in caplog.text  # ... and it failed again in turn
-    finally:
-        del model.forward
     # The engine serves on.
     assert_same(engine.generate([prompt], greedy(4)), make(False).generate([prompt], greedy(4)))
     assert_all_free(engine)
