@@ -9,7 +9,8 @@ as in a real decode step. A second table times the MLP's down projection with th
 each kernel variant of gemv (split-K; row-group with lanes per row chosen from K, or forced to 32/16/8;
 register-prefetch) so that the automatic choice and the dispatch limits in linear.py / mlp.py can be set
 from one run. A fourth times each variant for 1-2 rows right behind the kernel that writes its x
-(fused_add_rms_norm, then the GEMV, PDL on, as in a decode layer; the down projection with SiLU fused):
+(fused_add_rms_norm, then the GEMV, PDL on, as in a decode layer; the down projection with SiLU fused and
+plain, the gate_up projection plain and writing SiLU(gate) * up; the lm_head too):
 the GEMV's marginal cost there = that chain minus the norms alone, which is what a variant that loads W
 before its PDL wait (reg_prefetch) can hide and a standalone timing cannot show.
 
@@ -45,6 +46,8 @@ MATRICES = [
     ("llama-3.1-8b", "o", 4096, 4096, False, 32),
     ("llama-3.1-8b", "gate_up", 28672, 4096, False, 32),
     ("llama-3.1-8b", "down", 4096, 14336, False, 32),
+    ("qwen2.5-0.5b", "lm_head", 151936, 896, False, 1),
+    ("llama-3.1-8b", "lm_head", 128256, 4096, False, 1),
 ]
 
 
@@ -70,7 +73,7 @@ def time_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Tens
 
 
 def chain_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Tensor | None,
-             activation: str | None) -> float:
+             activation: str | None, output_activation: str | None = None) -> float:
     """Microseconds per (fused_add_rms_norm writing x in place, GEMV of x) pair from a CUDA graph with PDL
     on, one pair per weight copy; variant "norm" times the norms alone."""
     residual = torch.zeros_like(x)
@@ -78,7 +81,7 @@ def chain_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Ten
 
     def call(w: torch.Tensor) -> torch.Tensor:
         kernels.fused_add_rms_norm(x, residual, norm_w, 1e-6)
-        return x if variant == "norm" else gemv_variant(x, w, b, activation, variant)
+        return x if variant == "norm" else gemv_variant(x, w, b, activation, variant, output_activation)
 
     previous = kernels.set_pdl(True)
     try:
@@ -127,7 +130,7 @@ def main() -> int:
             mine, theirs = step.get((model, m), (0.0, 0.0))
             step[(model, m)] = (mine + ours * layers, theirs + cublas * layers)
         del ws
-    print("\nlinear layers of one decode step (all layers, no lm_head):")
+    print("\nlinear layers of one decode step (all layers and the lm_head):")
     for (model, m), (mine, theirs) in step.items():
         print(f"  {model:<14} M={m}: ours {mine:8.1f} us, cuBLAS {theirs:8.1f} us ({theirs / mine:.2f}x)")
 
@@ -168,25 +171,35 @@ def main() -> int:
             variant_results.append({"model": model, "matrix": name, "n": n, "k": k, "m": m, "us": times})
         del ws
 
-    print("\nbehind the kernel that writes x (fused_add_rms_norm -> gemv, PDL on; down with SiLU fused): "
-          "marginal us of the gemv = pair - norm alone (best marked *; 'of floor' = floor / best)")
-    print(f"{'model':<14}{'matrix':<9}{'N x K':>13}{'M':>3}{'norm us':>8}" + "".join(f"{v:>14}" for v in names)
-          + f"{'floor us':>9}{'of floor':>9}")
+    print("\nbehind the kernel that writes x (fused_add_rms_norm -> gemv, PDL on): marginal us of the gemv = "
+          "pair - norm alone (best marked *; 'of floor' = floor / best); act: SiLU on x (silu>), on the output "
+          "(>silu: gate_up writing SiLU(gate) * up) or none; a gated output always runs the row-group kernel")
+    print(f"{'model':<14}{'matrix':<9}{'act':>6}{'N x K':>13}{'M':>3}{'norm us':>8}"
+          + "".join(f"{v:>14}" for v in names) + f"{'floor us':>9}{'of floor':>9}")
     chain_results = []
     for model, name, n, k, bias, _ in MATRICES:
         ws, b, nbytes = weights(n, k, bias, dtype)
-        activation = "silu" if name == "down" else None
-        for m in [r for r in args.rows if r <= 2]:
-            x = torch.randn(m, k if activation is None else 2 * k, device="cuda").to(dtype)
-            norm = chain_us("norm", x, ws, b, activation)
-            marginal = {v: chain_us(v, x, ws, b, activation) - norm for v in names}
-            best = min(marginal, key=marginal.get)
-            cells = "".join(f"{marginal[v]:>13.2f}{'*' if v == best else ' '}" for v in names)
-            floor = nbytes / H200.bandwidth * 1e6
-            print(f"{model:<14}{name:<9}{f'{n} x {k}':>13}{m:>3}{norm:>8.2f}{cells}{floor:>9.2f}"
-                  f"{floor / max(marginal[best], 1e-9):>9.1%}")
-            chain_results.append({"model": model, "matrix": name, "n": n, "k": k, "m": m, "norm_us": norm,
-                                  "marginal_us": marginal, "floor_us": floor})
+        acts = {"down": [("silu", None), (None, None)],
+                "gate_up": [(None, None), (None, "silu")]}.get(name, [(None, None)])
+        for activation, output_activation in acts:
+            label = "silu>" if activation else (">silu" if output_activation else "-")
+            for m in [r for r in args.rows if r <= 2]:
+                x = torch.randn(m, k if activation is None else 2 * k, device="cuda").to(dtype)
+                if output_activation is not None:
+                    got = gemv_variant(x, ws[0], b, None, "auto", output_activation).float()
+                    want = reference.gemv(x, ws[0], b, None, output_activation).float()
+                    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item() + 1e-3, "gated output"
+                norm = chain_us("norm", x, ws, b, activation, output_activation)
+                variants = names if output_activation is None else ["row_group_32", "row_group_16", "row_group_8"]
+                marginal = {v: chain_us(v, x, ws, b, activation, output_activation) - norm for v in variants}
+                best = min(marginal, key=marginal.get)
+                cells = "".join(f"{marginal[v]:>13.2f}{'*' if v == best else ' '}" if v in marginal else f"{'-':>14}"
+                                for v in names)
+                floor = nbytes / H200.bandwidth * 1e6
+                print(f"{model:<14}{name:<9}{label:>6}{f'{n} x {k}':>13}{m:>3}{norm:>8.2f}{cells}{floor:>9.2f}"
+                      f"{floor / max(marginal[best], 1e-9):>9.1%}")
+                chain_results.append({"model": model, "matrix": name, "act": label, "n": n, "k": k, "m": m,
+                                      "norm_us": norm, "marginal_us": marginal, "floor_us": floor})
         del ws
     if args.json:
         print(json.dumps({"dtype": args.dtype, "gemv": results, "down_fused": fused_results,

@@ -1,7 +1,9 @@
 """Programmatic Dependent Launch: a batch-1 decode step's kernel chain with PDL off and on.
 
 Each layer runs the engine's decode kernels back to back -- fused_add_rms_norm, gemv (qkv), rotary_and_cache,
-paged_decode_attention, gemv (o), fused_add_rms_norm, gemv (gate_up), gemv (down, SiLU fused) -- with its
+paged_decode_attention, gemv (o), fused_add_rms_norm, gemv (gate_up writing SiLU(gate) * up), gemv (down) --
+or, with the activation in the down projection instead (rows "act in down": gate_up writes [gate | up] and
+every CTA of down applies SiLU-and-mul to its copy), as the engine did before session 4 -- with its
 own weights (so they stream from DRAM as in a real step, not from L2), all `--layers` layers captured in
 one CUDA graph, once with PDL off and once on. PDL lets each kernel fetch what its predecessor does not
 write (weights, block tables, older K/V rows) while that predecessor finishes. Rows: device time per
@@ -35,8 +37,9 @@ BLOCK = 16
 KERNELS = ("norm_in", "qkv", "rope_cache", "attention", "o", "norm_post", "gate_up", "down")
 
 
-def case(name: str, context: int, layers: int, ablate: bool = False) -> dict:
-    """Time one shape's chain with PDL off and on; returns one result row."""
+def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool = True) -> dict:
+    """Time one shape's chain with PDL off and on; returns one result row. gated: the activation at the
+    gate_up projection's outputs (the engine's default), else in the down projection."""
     hidden, hq, hkv, d, inter, bias = SHAPES[name]
     dt, dev = torch.bfloat16, "cuda"
 
@@ -65,7 +68,7 @@ def case(name: str, context: int, layers: int, ablate: bool = False) -> dict:
     # Stand-ins for a left-out kernel's output (ablation).
     qkv_fixed = torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=dt)
     attn_fixed = torch.randn(1, hq, d, device=dev, dtype=dt)
-    gate_up_fixed = torch.randn(1, 2 * inter, device=dev, dtype=dt)
+    gate_up_fixed = torch.randn(1, inter if gated else 2 * inter, device=dev, dtype=dt)
 
     def step(skip: str | None = None) -> torch.Tensor:
         x, residual = x0.clone(), torch.zeros_like(x0)
@@ -82,8 +85,12 @@ def case(name: str, context: int, layers: int, ablate: bool = False) -> dict:
             x = x if skip == "o" else kernels.gemv(attn.reshape(1, hq * d), lw["o"])
             if skip != "norm_post":
                 kernels.fused_add_rms_norm(x, residual, lw["norm_post"], 1e-6)
-            gate_up = gate_up_fixed if skip == "gate_up" else kernels.gemv(x, lw["gate_up"])
-            x = x if skip == "down" else kernels.gemv(gate_up, lw["down"], activation="silu")
+            if gated:
+                h = gate_up_fixed if skip == "gate_up" else kernels.gemv(x, lw["gate_up"], output_activation="silu")
+                x = x if skip == "down" else kernels.gemv(h, lw["down"])
+            else:
+                gate_up = gate_up_fixed if skip == "gate_up" else kernels.gemv(x, lw["gate_up"])
+                x = x if skip == "down" else kernels.gemv(gate_up, lw["down"], activation="silu")
         return x
 
     us, outs = {}, {}
@@ -103,7 +110,8 @@ def case(name: str, context: int, layers: int, ablate: bool = False) -> dict:
     lw = weights[0]
     nbytes = sum(t.numel() * t.element_size() for key, t in lw.items() if t is not None and "cache" not in key)
     nbytes += 2 * context * hkv * d * 2  # K and V rows read
-    return {"shape": name, "context": context, "pdl_off_us": us["off"], "pdl_on_us": us["on"], "bytes": nbytes,
+    return {"shape": name, "mlp": "act at gate_up" if gated else "act in down", "context": context,
+            "pdl_off_us": us["off"], "pdl_on_us": us["on"], "bytes": nbytes,
             "floor_us": nbytes / H200.bandwidth * 1e6, "identical": bool(torch.equal(outs["off"], outs["on"])),
             "marginal_us": marginal}
 
@@ -118,19 +126,20 @@ def main() -> int:
     if not torch.cuda.is_available() or not kernels.available():
         raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
     torch.manual_seed(0)
-    rows = [case(name, args.context, args.layers, args.ablate) for name in SHAPES]
+    rows = [case(name, args.context, args.layers, args.ablate and gated, gated) for name in SHAPES
+            for gated in (True, False)]
     print(f"batch-1 decode layer (8 kernels), bf16, context {args.context}, CUDA graph of {args.layers} layers; "
           f"floor = weight + KV bytes at {H200.bandwidth / 1e9:,.0f} GB/s")
-    print(f"{'shape':<14}{'PDL off us':>12}{'PDL on us':>11}{'saved us':>10}{'floor us':>10}{'on/floor':>10}"
-          f"{'identical':>11}")
+    print(f"{'shape':<14}{'MLP':<16}{'PDL off us':>12}{'PDL on us':>11}{'saved us':>10}{'floor us':>10}"
+          f"{'on/floor':>10}{'identical':>11}")
     for r in rows:
         saved = r["pdl_off_us"] - r["pdl_on_us"]
-        print(f"{r['shape']:<14}{r['pdl_off_us']:>12.2f}{r['pdl_on_us']:>11.2f}{saved:>10.2f}{r['floor_us']:>10.2f}"
+        print(f"{r['shape']:<14}{r['mlp']:<16}{r['pdl_off_us']:>12.2f}{r['pdl_on_us']:>11.2f}{saved:>10.2f}{r['floor_us']:>10.2f}"
               f"{r['pdl_on_us'] / r['floor_us']:>9.2f}x{str(r['identical']):>11}")
     if args.ablate:
         print("\nwhat each kernel adds to a layer with PDL on (us): whole chain minus the chain without it")
         print(f"{'shape':<14}" + "".join(f"{k:>11}" for k in KERNELS))
-        for r in rows:
+        for r in (r for r in rows if r["marginal_us"]):
             print(f"{r['shape']:<14}" + "".join(f"{r['marginal_us'][k]:>11.2f}" for k in KERNELS))
     if args.json:
         print(json.dumps({"context": args.context, "layers": args.layers, "rows": rows}))

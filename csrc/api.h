@@ -208,7 +208,11 @@ WLLM_API int WLLM_FN(wllm_sample)(float* logits, int64_t num_rows, int64_t vocab
 // layout works. One row of x must fit in the GPU's shared memory (in_features up to ~24K on every GPU).
 // Bits 8..15 of prologue force a kernel variant (benchmarks, tests; 0 = automatic): 1 = split-K, 2 = row-group
 // (lanes per row from K), 3/4/5 = row-group with 32/16/8 lanes per row; a row-group variant that does not
-// apply (rows > 4, K not a multiple of 8, unaligned) runs split-K.
+// apply (rows > 4, K not a multiple of 8, unaligned) runs split-K. Bits 16..23 (with bits 0..7 zero): a gated
+// output, 1 = SiLU, 2 = tanh-GELU: weight holds [gate rows | up rows] (out_features of them, even) and out
+// gets out_features / 2 columns, out[r, n] = round(act(round(g)) * round(u)) with g and u rows n and
+// n + out_features / 2 of the product (plus bias), as wllm_act_and_mul over the plain product would give; it
+// needs in_features and weight_row_stride multiples of 8 and a 16-byte aligned weight.
 WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, const void* bias, int64_t rows,
                                 int64_t out_features, int64_t in_features, int64_t out_row_stride,
                                 int64_t x_row_stride, int64_t weight_row_stride, int prologue, int dtype,

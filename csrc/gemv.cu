@@ -1,6 +1,8 @@
 // Skinny GEMM for decode: out[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) for a few rows of x (M ~ 1..16),
 // fp16/bf16 in and out, fp32 accumulation. Optionally x is [M, 2K] = [gate | up] and the kernel uses
-// act(gate) * up as its input (the gated MLP's down projection without a separate activation kernel).
+// act(gate) * up as its input (the gated MLP's down projection without a separate activation kernel), or
+// W is [gate | up] and the kernel writes act(gate) * up (the gated MLP's gate_up projection: the
+// activation once per output instead of once per CTA of the down projection, and half the output).
 //
 // Decode reads every weight once per step for a handful of tokens, so this is a bandwidth problem: one
 // pass over W with 16-byte loads, many loads in flight per SM, all M rows of x computed from that single
@@ -59,6 +61,7 @@ struct GemvParams {
   int wk;     // warps per task (they split K); divides blockDim.x / 32
   int tasks;  // ceil(n / kRows)
   int x_vec;  // x rows can be read with 16-byte loads
+  int64_t up_offset;  // gated output only: elements from a gate row of W to its up row (0 otherwise)
 };
 
 // act(g) * u in fp32. Both activations are g * sigmoid(z): z = g for SiLU, and for tanh-GELU
@@ -342,13 +345,40 @@ __device__ __forceinline__ void write_group_rows(const GemvParams<T>& p, int n, 
   }
 }
 
+// Gated output (EPI = the activation): column n of the result is act(g) * u, g and u being output rows n
+// and n + p.n of the matmul (plus their biases), each rounded to T first as the unfused path (GEMM writing
+// [gate | up], then wllm_act_and_mul) rounds them. Every lane of the group must call it (shuffles).
+template <typename T, int MAXM, int G, int EPI>
+__device__ __forceinline__ void write_gated_rows(const GemvParams<T>& p, int n, int lane, unsigned mask,
+                                                 const float (&gate)[MAXM], const float (&up)[MAXM]) {
+  const bool biased = p.bias != nullptr && lane < p.m;
+  const float bg = biased ? Conv<T>::to_float(p.bias[n]) : 0.0f;
+  const float bu = biased ? Conv<T>::to_float(p.bias[n + p.n]) : 0.0f;
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    if (m < p.m) {  // uniform over the group
+      const float g = group_sum<G>(gate[m], mask);
+      const float u = group_sum<G>(up[m], mask);
+      if (lane == m) {
+        const float gr = Conv<T>::to_float(Conv<T>::from_float(g + bg));
+        const float ur = Conv<T>::to_float(Conv<T>::from_float(u + bu));
+        p.out[m * p.ldo + n] = Conv<T>::from_float(gated<EPI>(gr, ur));
+      }
+    }
+  }
+}
+
 // Grid: persistent CTAs; lanes [g * G, (g + 1) * G) of the CTA form group g. Global group q takes rows
 // q, q + groups_total, ... (each row over all of K). Lane l of a group takes 16-byte chunks l, l + G, ...
-// of the row. Shared memory: x [m][k_pad] of T only.
-template <typename T, int PRO, int MAXM, int G>
+// of the row. Shared memory: x [m][k_pad] of T only. With a gated output (EPI != PROLOGUE_NONE) a group's
+// "row" n is the pair of W rows n and n + p.n (gate and up, p.up_offset elements apart), streamed
+// together, and the group writes act(gate) * up.
+template <typename T, int PRO, int MAXM, int G, int EPI>
 __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const GemvParams<T> p) {
   pdl_trigger_early<PDL_GEMV>();
   static_assert(G == 8 || G == 16 || G == 32, "lane groups are 8, 16 or 32 lanes");
+  static_assert(PRO == PROLOGUE_NONE || EPI == PROLOGUE_NONE, "an activation on x or on the output, not both");
+  constexpr int NR = EPI != PROLOGUE_NONE ? 2 : 1;  // rows of W per output column
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);
 
@@ -364,9 +394,12 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
   // and while x, its output, is staged. The whole row, up to kRgPrefetch loads per lane: in a decode
   // step most groups own one or two rows, so this covers most of the matrix.
   if (first_row < p.n) {
-    const T* row = p.w + static_cast<int64_t>(first_row) * p.ldw;
-    for (int u = 0, c = lane; u < kRgPrefetch && c < chunks; ++u, c += G) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + static_cast<int64_t>(c) * 8));
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const T* row = p.w + static_cast<int64_t>(first_row) * p.ldw + r * p.up_offset;
+      for (int u = 0, c = lane; u < kRgPrefetch / NR && c < chunks; ++u, c += G) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + static_cast<int64_t>(c) * 8));
+      }
     }
   }
   pdl_wait_and_trigger<PDL_GEMV>();
@@ -376,24 +409,37 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
   // The trip count is uniform over a group (the shuffles below name only the group's lanes).
   for (int n = first_row; n < p.n; n += row_step) {
     const T* row = p.w + static_cast<int64_t>(n) * p.ldw;
-    float acc[MAXM];
+    float acc[NR][MAXM];
 #pragma unroll
-    for (int m = 0; m < MAXM; ++m) acc[m] = 0.0f;
+    for (int r = 0; r < NR; ++r) {
+#pragma unroll
+      for (int m = 0; m < MAXM; ++m) acc[r][m] = 0.0f;
+    }
     // Uniform over the group; lanes past the end of K are masked per chunk.
     for (int c0 = 0; c0 < chunks; c0 += G * kRgUnroll) {
-      Pack<T, 8> wv[kRgUnroll];
+      Pack<T, 8> wv[kRgUnroll][NR];
 #pragma unroll
       for (int u = 0; u < kRgUnroll; ++u) {
         const int c = c0 + u * G + lane;
-        if (c < chunks) wv[u].load_weight(row + static_cast<int64_t>(c) * 8);
+        if (c < chunks) {
+#pragma unroll
+          for (int r = 0; r < NR; ++r) wv[u][r].load_weight(row + r * p.up_offset + static_cast<int64_t>(c) * 8);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kRgUnroll; ++u) {
         const int c = c0 + u * G + lane;
-        if (c < chunks) fma_chunk<T, MAXM>(wv[u], xs, p, c, acc);
+        if (c < chunks) {
+#pragma unroll
+          for (int r = 0; r < NR; ++r) fma_chunk<T, MAXM>(wv[u][r], xs, p, c, acc[r]);
+        }
       }
     }
-    write_group_rows<T, MAXM, G>(p, n, lane, mask, acc);
+    if constexpr (EPI != PROLOGUE_NONE) {
+      write_gated_rows<T, MAXM, G, EPI>(p, n, lane, mask, acc[0], acc[NR - 1]);
+    } else {
+      write_group_rows<T, MAXM, G>(p, n, lane, mask, acc[0]);
+    }
   }
 }
 
@@ -590,17 +636,18 @@ int configure(Kernel kernel, int threads, size_t smem, int* per_sm) {
 
 // Row-group kernel: chooses the CTA size, sizes a persistent grid that gives every CTA the same number
 // of rows, launches.
-template <typename T, int PRO, int MAXM, int G>
+template <typename T, int PRO, int MAXM, int G, int EPI>
 int launch_row_group(GemvParams<T> p, const DeviceProps& dev, cudaStream_t stream) {
-  auto kernel = gemv_row_group_kernel<T, PRO, MAXM, G>;
+  auto kernel = gemv_row_group_kernel<T, PRO, MAXM, G, EPI>;
   const size_t smem = static_cast<size_t>(p.m) * p.k_pad * sizeof(T);
   // 512-thread CTAs when few CTAs fit per SM (x fills shared memory, or the activation caps residency
   // below) so that each SM still has ~32 warps of loads in flight; else 256. Halved while the rows would
   // not give every SM one 512-thread CTA / two smaller ones: small matrices then spread over all SMs
-  // instead of filling a few.
+  // instead of filling a few. A gated output streams two rows of W per group.
+  const int64_t w_rows = static_cast<int64_t>(p.n) * (EPI != PROLOGUE_NONE ? 2 : 1);
   int threads = (PRO != PROLOGUE_NONE || smem > 64 * 1024) ? kRgMaxThreads : 256;
-  while (threads > 128 && static_cast<int64_t>(p.n) * G <
-                              static_cast<int64_t>(dev.sms) * threads * (threads == kRgMaxThreads ? 1 : 2)) {
+  while (threads > 128 &&
+         w_rows * G < static_cast<int64_t>(dev.sms) * threads * (threads == kRgMaxThreads ? 1 : 2)) {
     threads /= 2;
   }
   int per_sm = 0;
@@ -620,11 +667,11 @@ int launch_row_group(GemvParams<T> p, const DeviceProps& dev, cudaStream_t strea
   return check_launch("gemv");
 }
 
-template <typename T, int PRO, int MAXM>
+template <typename T, int PRO, int MAXM, int EPI = PROLOGUE_NONE>
 int launch_row_group_lanes(GemvParams<T> p, int lanes, const DeviceProps& dev, cudaStream_t stream) {
-  if (lanes == 32) return launch_row_group<T, PRO, MAXM, 32>(p, dev, stream);
-  if (lanes == 16) return launch_row_group<T, PRO, MAXM, 16>(p, dev, stream);
-  return launch_row_group<T, PRO, MAXM, 8>(p, dev, stream);
+  if (lanes == 32) return launch_row_group<T, PRO, MAXM, 32, EPI>(p, dev, stream);
+  if (lanes == 16) return launch_row_group<T, PRO, MAXM, 16, EPI>(p, dev, stream);
+  return launch_row_group<T, PRO, MAXM, 8, EPI>(p, dev, stream);
 }
 
 // Register-prefetch kernel: picks the team (lanes per row) so that one pass of kPfUnroll loads per lane
@@ -711,6 +758,25 @@ int launch(GemvParams<T> p, const DeviceProps& dev, cudaStream_t stream) {
   return check_launch("gemv");
 }
 
+// Lanes per row of the row-group kernel: each lane should still issue several 16-byte loads per row
+// (K = 896: 16 lanes, 7 loads each), and long rows use whole warps (fewer, longer streams; fewer
+// shuffles per byte). A forced row-group variant names the lanes.
+inline int row_group_lanes(int k, int variant) {
+  if (variant == VARIANT_ROW_GROUP_32) return 32;
+  if (variant == VARIANT_ROW_GROUP_16) return 16;
+  if (variant == VARIANT_ROW_GROUP_8) return 8;
+  return k >= 2048 ? 32 : (k >= 512 ? 16 : 8);
+}
+
+// Gated output (the gated MLP's gate_up projection writing act(gate) * up): the row-group kernel, 1-2
+// rows of x per launch (run_gemv passes at most 2), 16-byte aligned W rows and K a multiple of 8.
+template <typename T, int EPI>
+int launch_gated(GemvParams<T> p, int variant, const DeviceProps& dev, cudaStream_t stream) {
+  const int lanes = row_group_lanes(p.k, variant);
+  if (p.m <= 1) return launch_row_group_lanes<T, PROLOGUE_NONE, 1, EPI>(p, lanes, dev, stream);
+  return launch_row_group_lanes<T, PROLOGUE_NONE, 2, EPI>(p, lanes, dev, stream);
+}
+
 template <typename T, int PRO>
 int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceProps& dev, cudaStream_t stream) {
   // Automatic: the register-prefetch kernel where it measured fastest behind the kernel that writes x
@@ -726,12 +792,7 @@ int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceProps& dev, 
     return launch_prefetch_lanes<T, PRO, 2>(p, dev, stream);
   }
   if (vec && p.m <= 4 && variant != VARIANT_SPLIT_K) {
-    // Lanes per row: each lane should still issue several 16-byte loads per row (K = 896: 16 lanes, 7
-    // loads each), and long rows use whole warps (fewer, longer streams; fewer shuffles per byte).
-    int lanes = p.k >= 2048 ? 32 : (p.k >= 512 ? 16 : 8);
-    if (variant == VARIANT_ROW_GROUP_32) lanes = 32;
-    if (variant == VARIANT_ROW_GROUP_16) lanes = 16;
-    if (variant == VARIANT_ROW_GROUP_8) lanes = 8;
+    const int lanes = row_group_lanes(p.k, variant);
     if (p.m <= 1) return launch_row_group_lanes<T, PRO, 1>(p, lanes, dev, stream);
     if (p.m <= 2) return launch_row_group_lanes<T, PRO, 2>(p, lanes, dev, stream);
     return launch_row_group_lanes<T, PRO, 4>(p, lanes, dev, stream);
@@ -746,7 +807,7 @@ int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceProps& dev, 
 
 template <typename T>
 int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n, int64_t k, int64_t ldo,
-             int64_t ldx, int64_t ldw, int prologue, int variant, cudaStream_t stream) {
+             int64_t ldx, int64_t ldw, int prologue, int epilogue, int variant, cudaStream_t stream) {
   DeviceProps dev;
   int status = current_device_props(&dev);
   if (status != WLLM_OK) return status;
@@ -764,6 +825,17 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
                 "gemv: in_features=%lld needs %zu bytes of shared memory for one row of x; this GPU allows %d",
                 (long long)k, smem_bytes(1, k_pad, sizeof(T), kMaxWarps, 1), dev.max_smem);
   }
+  // Gated output: W is [gate rows | up rows]; out gets n / 2 columns, 1-2 rows of x per pass.
+  const int64_t out_n = epilogue != PROLOGUE_NONE ? n / 2 : n;
+  if (epilogue != PROLOGUE_NONE) {
+    if (!vec || n % 2 != 0) {
+      return fail(WLLM_ERR_INVALID_ARGUMENT,
+                  "gemv: a gated output needs an even out_features (%lld), in_features (%lld) and the weight row "
+                  "stride (%lld) multiples of 8 and a 16-byte aligned weight",
+                  (long long)n, (long long)k, (long long)ldw);
+    }
+    if (per_pass > 2) per_pass = 2;
+  }
   for (int64_t m0 = 0; m0 < m; m0 += per_pass) {
     GemvParams<T> p;
     p.out = out + m0 * ldo;
@@ -771,16 +843,21 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
     p.w = w;
     p.bias = bias;
     p.m = static_cast<int>(m - m0 < per_pass ? m - m0 : per_pass);
-    p.n = static_cast<int>(n);
+    p.n = static_cast<int>(out_n);
     p.k = static_cast<int>(k);
     p.k_pad = k_pad;
+    p.up_offset = epilogue != PROLOGUE_NONE ? out_n * ldw : 0;
     p.ldo = ldo;
     p.ldx = ldx;
     p.ldw = ldw;
     p.wk = 1;
     p.tasks = static_cast<int>((n + kRows - 1) / kRows);
     p.x_vec = x_vec ? 1 : 0;
-    switch (prologue) {
+    if (epilogue == PROLOGUE_SILU_AND_MUL) {
+      status = launch_gated<T, PROLOGUE_SILU_AND_MUL>(p, variant, dev, stream);
+    } else if (epilogue == PROLOGUE_GELU_TANH_AND_MUL) {
+      status = launch_gated<T, PROLOGUE_GELU_TANH_AND_MUL>(p, variant, dev, stream);
+    } else switch (prologue) {
       case PROLOGUE_NONE:
         status = launch_rows<T, PROLOGUE_NONE>(p, vec, variant, dev, stream);
         break;
@@ -809,23 +886,27 @@ WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, co
     return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv: bad shape rows=%lld out_features=%lld in_features=%lld",
                 (long long)rows, (long long)out_features, (long long)in_features);
   }
-  // Bits 0..7: the activation; bits 8..15: the kernel variant (0 = automatic).
+  // Bits 0..7: the activation on x; bits 8..15: the kernel variant (0 = automatic); bits 16..23: the
+  // activation of a gated output.
   const int variant = (prologue >> 8) & 0xff;
+  const int epilogue = (prologue >> 16) & 0xff;
   const int flags = prologue;
   prologue &= 0xff;
-  if (flags < 0 || (flags >> 16) != 0 || prologue > PROLOGUE_GELU_TANH_AND_MUL || variant > VARIANT_LAST) {
+  if (flags < 0 || (flags >> 24) != 0 || prologue > PROLOGUE_GELU_TANH_AND_MUL || variant > VARIANT_LAST ||
+      epilogue > PROLOGUE_GELU_TANH_AND_MUL || (prologue != PROLOGUE_NONE && epilogue != PROLOGUE_NONE)) {
     return fail(WLLM_ERR_INVALID_ARGUMENT,
                 "gemv: unknown prologue %d (bits 0-7: 0 = none, 1 = silu_and_mul, 2 = gelu_tanh_and_mul; bits "
-                "8-15: kernel variant 0..%d)",
+                "8-15: kernel variant 0..%d; bits 16-23: gated output, same codes, only without bits 0-7)",
                 flags, (int)VARIANT_LAST);
   }
   const int64_t x_width = prologue == PROLOGUE_NONE ? in_features : 2 * in_features;
-  if (weight_row_stride < in_features || (rows > 1 && (x_row_stride < x_width || out_row_stride < out_features))) {
+  const int64_t out_width = epilogue == PROLOGUE_NONE ? out_features : out_features / 2;
+  if (weight_row_stride < in_features || (rows > 1 && (x_row_stride < x_width || out_row_stride < out_width))) {
     return fail(WLLM_ERR_INVALID_ARGUMENT,
                 "gemv: row strides (out %lld, x %lld, weight %lld) shorter than the rows (out %lld, x %lld, weight "
                 "%lld)",
                 (long long)out_row_stride, (long long)x_row_stride, (long long)weight_row_stride,
-                (long long)out_features, (long long)x_width, (long long)in_features);
+                (long long)out_width, (long long)x_width, (long long)in_features);
   }
   if (dtype != WLLM_FLOAT16 && dtype != WLLM_BFLOAT16) {
     return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv: dtype code %d unsupported (fp16 = 1, bf16 = 2 only)", dtype);
@@ -836,10 +917,10 @@ WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, co
   if (dtype == WLLM_FLOAT16) {
     return run_gemv<__half>(static_cast<__half*>(out), static_cast<const __half*>(x), static_cast<const __half*>(weight),
                             static_cast<const __half*>(bias), rows, out_features, in_features, out_row_stride,
-                            x_row_stride, weight_row_stride, prologue, variant, s);
+                            x_row_stride, weight_row_stride, prologue, epilogue, variant, s);
   }
   return run_gemv<__nv_bfloat16>(static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(x),
                                  static_cast<const __nv_bfloat16*>(weight), static_cast<const __nv_bfloat16*>(bias),
                                  rows, out_features, in_features, out_row_stride, x_row_stride, weight_row_stride,
-                                 prologue, variant, s);
+                                 prologue, epilogue, variant, s);
 }

@@ -15,8 +15,10 @@ from wllm import kernels
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import reference
 from wllm.kernels.gemv import VARIANTS, gemv_variant
+from wllm.model.layers import embedding as embedding_module
 from wllm.model.layers import linear as linear_module
 from wllm.model.layers import mlp as mlp_module
+from wllm.model.layers.embedding import LM_HEAD_GEMV_MAX_ROWS, compute_logits
 from wllm.model.layers.linear import GEMV_MAX_ROWS, Linear
 from wllm.model.layers.mlp import GEMV_MAX_FUSED_ROWS, GatedMLP
 
@@ -72,6 +74,30 @@ def test_reference_vs_float64(dtype, activation, m, n, k, bias) -> None:
     torch.testing.assert_close(out.double(), gemv64(x, w, b, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
+def gated64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """The gated output from first principles: the product rounded to the dtype (as a GEMM stores it), then
+    act(gate) * up in float64."""
+    y = gemv64(x, w, b, None).to(x.dtype).double()
+    gate, up = y.chunk(2, dim=-1)
+    if activation == "silu":
+        act = gate / (1 + torch.exp(-gate))
+    else:
+        act = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)))
+    return act * up
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m,n,k", [(1, 14, 72), (3, 2, 200), (8, 66, 13)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_gated_output_vs_float64(dtype, activation, m, n, k, bias) -> None:
+    """output_activation: weight rows [gate | up], result act(gate) * up with half the columns."""
+    x, w, b = make(m, n, k, dtype, None, bias)
+    out = kernels.gemv(x, w, b, output_activation=activation)
+    assert out.dtype == dtype and out.shape == (m, n // 2)
+    torch.testing.assert_close(out.double(), gated64(x, w, b, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
 def test_reference_keeps_leading_dims_and_strided_rows() -> None:
     x, w, b = make(6, 9, 40, torch.bfloat16, None, True)
     wide = torch.zeros(6, 100, dtype=torch.bfloat16)
@@ -93,11 +119,14 @@ def test_reference_keeps_leading_dims_and_strided_rows() -> None:
     ("int", "int32 unsupported"),
     ("mixed", "weight is torch.float16 on cpu but x is torch.bfloat16"),
     ("activation", "unknown activation 'relu'"),
+    ("output_activation", "unknown output_activation 'relu'"),
+    ("both_activations", "on x or on the output, not both"),
+    ("odd_gated_rows", "an even count; got 5"),
 ])
 def test_errors(case: str, match: str) -> None:
     x = torch.randn(2, 12, dtype=torch.bfloat16)
     w = torch.randn(5, 12, dtype=torch.bfloat16)
-    b, activation = None, None
+    b, activation, output_activation = None, None, None
     if case == "x_width":
         x = x[:, :11]
     elif case == "act_width":
@@ -114,8 +143,14 @@ def test_errors(case: str, match: str) -> None:
         w = w.half()
     elif case == "activation":
         activation = "relu"
+    elif case == "output_activation":
+        output_activation = "relu"
+    elif case == "both_activations":
+        x, activation, output_activation = torch.cat([x, x], dim=1), "silu", "silu"
+    elif case == "odd_gated_rows":
+        output_activation = "silu"
     with pytest.raises(ValueError, match=match):
-        kernels.gemv(x, w, b, activation)
+        kernels.gemv(x, w, b, activation, output_activation)
 
 
 def test_variant_names() -> None:
@@ -310,6 +345,85 @@ def test_gemv_reg_prefetch_behind_writer_in_graph(activation, m, n, k) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("variant", ["auto", "row_group_32", "row_group_16", "row_group_8"])
+@pytest.mark.parametrize("n,k", [(2, 72), (14, 200), (2306, 904), (1154, 4096), (514, 14344), (28672, 4096)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_gemv_gated_output(dtype, activation, variant, n, k, m) -> None:
+    """The gated output (gate_up writing act(gate) * up) on every lane-group size, odd N / 2, K = 8 * odd
+    and the decode K's, 1-2 rows (one launch) and 3 / 5 (passes of 2 rows), with and without bias:
+    it matches the reference (product rounded, then act_and_mul), and equals the kernel's own plain
+    product followed by act_and_mul up to the activation's last rounding step."""
+    x, w, b = make(m, n, k, dtype, None, (n + m) % 2 == 0, device="cuda", seed=n + k + m)
+    out = gemv_variant(x, w, b, None, variant, activation)
+    assert out.shape == (m, n // 2) and out.dtype == dtype
+    want = reference.gemv(x, w, b, None, activation)
+    torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    two_step = kernels.act_and_mul(gemv_variant(x, w, b, None, variant), activation)
+    torch.testing.assert_close(out, two_step, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("layout", ["row_stride", "misaligned_x", "misaligned_weight", "odd_k", "batch_dims"])
+def test_gemv_gated_output_layouts(activation, layout) -> None:
+    """Strided and misaligned x (the kernel's scalar staging), and W the kernel cannot stream in pairs
+    (misaligned, K not a multiple of 8: product then act_and_mul): all match the reference."""
+    m, n, k = 2, 262, 13 if layout == "odd_k" else 264
+    x, w, b = make(m, n, k, torch.bfloat16, None, True, device="cuda", seed=17)
+    if layout == "row_stride":
+        big = torch.randn(m, 3 * k + 8, device="cuda").to(x.dtype)
+        big[:, 8:8 + k] = x
+        x = big[:, 8:8 + k]
+    elif layout == "misaligned_x":
+        big = torch.randn(m, k + 3, device="cuda").to(x.dtype)
+        big[:, 3:] = x
+        x = big[:, 3:]
+    elif layout == "misaligned_weight":
+        big = torch.randn(n, k + 1, device="cuda").to(x.dtype)
+        big[:, 1:] = w
+        w = big[:, 1:]
+    elif layout == "batch_dims":
+        x = x.view(1, m, k)
+    out = kernels.gemv(x, w, b, output_activation=activation)
+    assert out.shape == (*x.shape[:-1], n // 2)
+    torch.testing.assert_close(out, reference.gemv(x, w, b, None, activation), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(1, 9728, 896), (2, 28672, 4096), (1, 2306, 904)])
+def test_gemv_gated_output_behind_writer_in_graph(m, n, k) -> None:
+    """gate_up with the gated output, then the down projection on its plain output, in a CUDA graph with
+    PDL on behind the norm that writes x (the decode MLP): each replay matches the reference."""
+    x, w, b = make(m, n, k, torch.bfloat16, None, False, device="cuda", seed=19)
+    down = (torch.randn(k, n // 2, device="cuda") / (n // 2) ** 0.5).to(torch.bfloat16)
+    residual = torch.zeros_like(x)
+    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    previous = kernels.set_pdl(True)
+    try:
+        def step() -> tuple[torch.Tensor, torch.Tensor]:
+            kernels.fused_add_rms_norm(x, residual, norm_w, 1e-6)
+            h = kernels.gemv(x, w, b, output_activation="silu")
+            return h, kernels.gemv(h, down)
+
+        graph, (h, out) = capture_graph(step)
+    finally:
+        kernels.set_pdl(previous)
+    for trial in range(3):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        want_x, want_res = x.clone(), residual.clone()
+        reference.fused_add_rms_norm(want_x, want_res, norm_w, 1e-6)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_h = reference.gemv(x, w, b, None, "silu")
+        torch.testing.assert_close(h, want_h, rtol=2e-2, atol=2e-2, msg=lambda msg, t=trial: f"replay {t}: {msg}")
+        torch.testing.assert_close(out, reference.gemv(h, down), rtol=2e-2, atol=2e-2,
+                                   msg=lambda msg, t=trial: f"replay {t}: {msg}")
+
+
+@pytest.mark.cuda
 def test_gemv_empty_rows_and_cuda_errors() -> None:
     w = torch.randn(7, 64, device="cuda", dtype=torch.bfloat16)
     assert kernels.gemv(torch.empty(0, 64, device="cuda", dtype=torch.bfloat16), w).shape == (0, 7)
@@ -358,12 +472,21 @@ def test_linear_uses_gemv_for_decode_rows(rows: int, monkeypatch) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("rows", [1, GEMV_MAX_FUSED_ROWS, GEMV_MAX_FUSED_ROWS + 1, GEMV_MAX_ROWS + 5])
-def test_gated_mlp_fuses_activation_into_down_projection(act: str, rows: int, monkeypatch) -> None:
+def test_gated_mlp_fuses_the_activation_into_a_gemv(gated: bool, act: str, rows: int, monkeypatch) -> None:
+    """Decode rows: the activation runs inside the gate_up projection's GEMV (at its outputs; the default)
+    or, with GATED_GEMV off, inside the down projection's (on its input); more rows: act_and_mul."""
+    monkeypatch.setattr(mlp_module, "GATED_GEMV", gated)
     fused = []
     real = mlp_module.gemv
-    monkeypatch.setattr(mlp_module, "gemv", lambda *a, **kw: fused.append(a[3]) or real(*a, **kw))
+
+    def spy(*a, **kw):
+        fused.append(("out", kw["output_activation"]) if kw.get("output_activation") else ("in", a[3]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mlp_module, "gemv", spy)
     torch.manual_seed(5)
     mlp = GatedMLP(256, 704, act).to("cuda", torch.bfloat16)
     mlp.gate_up_proj.weight.data.normal_(std=256**-0.5)
@@ -373,7 +496,26 @@ def test_gated_mlp_fuses_activation_into_down_projection(act: str, rows: int, mo
     hidden = (mlp.act(gate.float()) * up.float()).to(x.dtype)
     want = (hidden.float() @ mlp.down_proj.weight.float().t()).to(x.dtype)
     torch.testing.assert_close(mlp(x), want, rtol=3e-2, atol=3e-2)
-    assert fused == ([mlp.fused_act] if rows <= GEMV_MAX_FUSED_ROWS else [])
+    expect = [("out" if gated else "in", mlp.fused_act)] if rows <= GEMV_MAX_FUSED_ROWS else []
+    assert fused == expect
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, LM_HEAD_GEMV_MAX_ROWS, LM_HEAD_GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("vocab,hidden", [(50257, 896), (12347, 4096)])
+def test_logits_use_gemv_for_decode_rows(rows: int, vocab: int, hidden: int, monkeypatch) -> None:
+    """The lm_head of 1-2 decode rows runs the skinny GEMM (float32 logits of the rounded product, as
+    F.linear(...).float() gives); more rows stay on cuBLAS."""
+    calls = []
+    real = embedding_module.gemv
+    monkeypatch.setattr(embedding_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    torch.manual_seed(3)
+    weight = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    logits = compute_logits(h, weight)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
+    assert len(calls) == (1 if rows <= LM_HEAD_GEMV_MAX_ROWS else 0)
+    torch.testing.assert_close(logits, F.linear(h, weight).float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.cuda

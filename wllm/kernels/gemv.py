@@ -4,7 +4,9 @@ At decode every linear layer multiplies a handful of token rows by a weight matr
 once per step, so the step is bound by weight bandwidth; cuBLAS reaches 65-80% of it on the
 medium matrices (and splits K into a second reduce kernel), this kernel aims at >= 90%. With an
 activation ("silu" / "gelu_tanh") x holds [gate | up] rows and the kernel applies act(gate) * up
-on the fly, so a gated MLP's down projection needs no separate activation kernel.
+on the fly, so a gated MLP's down projection needs no separate activation kernel; with an
+output_activation the weight holds [gate | up] rows and the kernel writes act(gate) * up, so the
+gate_up projection does the activation once, at its outputs, and the down projection reads a plain x.
 
 The CUDA library runs it on GPU tensors; elsewhere `reference.gemv` computes the same thing. The
 op is also a `torch.library.custom_op` (`wllm::gemv`) for torch.compile; eager CUDA calls take the
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from wllm.kernels import _lib, reference
-from wllm.kernels.ops import _is_compiling, _stream
+from wllm.kernels.ops import _is_compiling, _stream, act_and_mul
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 # Prologue codes of wllm_gemv: 0 = none, 1 = SiLU-and-mul, 2 = tanh-GELU-and-mul.
@@ -32,11 +34,17 @@ VARIANTS = {"auto": 0, "split_k": 1, "row_group": 2, "row_group_32": 3, "row_gro
 GEMV_MAX_IN_FEATURES = 24576
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> int:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+           output_activation: str | None = None) -> int:
     """Validate shapes, dtypes and devices; returns the width of x's rows (in_features, doubled with an
     activation). Raises ValueError saying what is wrong."""
     if activation not in PROLOGUES:
         raise ValueError(f"gemv: unknown activation {activation!r}; supported: None, 'silu', 'gelu_tanh'")
+    if output_activation not in PROLOGUES:
+        raise ValueError(f"gemv: unknown output_activation {output_activation!r}; supported: None, 'silu', "
+                         "'gelu_tanh'")
+    if activation is not None and output_activation is not None:
+        raise ValueError("gemv: an activation on x or on the output, not both")
     if weight.dim() != 2:
         raise ValueError(f"gemv: weight must be 2-D [out_features, in_features], got shape {tuple(weight.shape)}")
     if x.dim() < 1:
@@ -44,6 +52,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
     out_features, in_features = weight.shape
     if out_features == 0 or in_features == 0:
         raise ValueError(f"gemv: empty weight of shape {tuple(weight.shape)}")
+    if output_activation is not None and out_features % 2:
+        raise ValueError(f"gemv: a gated output needs [gate | up] weight rows, an even count; got {out_features}")
     width = in_features * (1 if activation is None else 2)
     if x.shape[-1] != width:
         layout = "in_features" if activation is None else f"2 * in_features ([gate | up] for {activation})"
@@ -60,11 +70,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
     return width
 
 
+def gated_output_fits(weight: torch.Tensor) -> bool:
+    """True when the kernel can write a gated output for this weight in one pass: rows of a multiple of
+    8 elements, 16-byte aligned (otherwise gemv computes the product, then act_and_mul)."""
+    return (weight.shape[1] % 8 == 0 and weight.stride(1) == 1 and weight.stride(0) % 8 == 0
+            and weight.data_ptr() % 16 == 0)
+
+
 def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               activation: str | None, variant: int = 0) -> torch.Tensor:
-    width = _check(x, weight, bias, activation)
+               activation: str | None, variant: int = 0, output_activation: str | None = None) -> torch.Tensor:
+    width = _check(x, weight, bias, activation, output_activation)
+    if output_activation is not None and not gated_output_fits(weight):
+        return act_and_mul(_cuda_gemv(x, weight, bias, None, variant), output_activation)
     out_features, in_features = weight.shape
-    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype, device=x.device)
+    out_width = out_features if output_activation is None else out_features // 2
+    out = torch.empty(*x.shape[:-1], out_width, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     if x.stride(-1) != 1:
@@ -77,51 +97,57 @@ def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         bias = bias.contiguous()
     # One row: its stride is meaningless (may be 1); the row length keeps 16-byte loads possible.
     x_stride = x2.stride(0) if x2.shape[0] > 1 else width
+    flags = PROLOGUES[activation] | (variant << 8) | (PROLOGUES[output_activation] << 16)
     lib = _lib.binding(x.device.index or 0)
     lib.check(lib.wllm_gemv(out.data_ptr(), x2.data_ptr(), weight.data_ptr(),
                             bias.data_ptr() if bias is not None else None, x2.shape[0], out_features, in_features,
-                            out_features, x_stride, weight.stride(0), PROLOGUES[activation] | (variant << 8),
-                            _DTYPES[x.dtype],
-                            _stream(x)),
+                            out_width, x_stride, weight.stride(0), flags, _DTYPES[x.dtype], _stream(x)),
               "gemv")
     return out
 
 
 @torch.library.custom_op("wllm::gemv", mutates_args=())
-def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
+def gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+            output_activation: str | None = None) -> torch.Tensor:
     if x.is_cuda:
-        return _cuda_gemv(x, weight, bias, activation)
-    _check(x, weight, bias, activation)
-    return reference.gemv(x, weight, bias, activation)
+        return _cuda_gemv(x, weight, bias, activation, 0, output_activation)
+    _check(x, weight, bias, activation, output_activation)
+    return reference.gemv(x, weight, bias, activation, output_activation)
 
 
 @gemv_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+      output_activation: str | None = None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // (1 if output_activation is None else 2))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         activation: str | None = None) -> torch.Tensor:
+         activation: str | None = None, output_activation: str | None = None) -> torch.Tensor:
     """y[..., n] = sum_k in[..., k] * weight[n, k] (+ bias[n]), fp32 accumulation, rounded to x's dtype.
 
     in = x, or act(x[..., :K]) * x[..., K:] rounded to the dtype when `activation` is "silu" or
-    "gelu_tanh" (x then has 2 * in_features columns). fp16/bf16 only; meant for a few rows (decode);
-    any number works, in passes of 16 rows over W. Raises ValueError on bad shapes or dtypes.
+    "gelu_tanh" (x then has 2 * in_features columns). With `output_activation` ("silu" / "gelu_tanh")
+    weight holds [gate | up] rows and the result is act(y[..., :N/2]) * y[..., N/2:] rounded to the dtype
+    ([..., out_features / 2]; y rounded first, as act_and_mul over the plain product). fp16/bf16 only;
+    meant for a few rows (decode); any number works, in passes of 16 rows over W (2 with a gated output).
+    Raises ValueError on bad shapes or dtypes.
     """
     if not x.is_cuda:
-        _check(x, weight, bias, activation)
-        return reference.gemv(x, weight, bias, activation)
+        _check(x, weight, bias, activation, output_activation)
+        return reference.gemv(x, weight, bias, activation, output_activation)
     if _is_compiling():
-        return gemv_op(x, weight, bias, activation)
-    return _cuda_gemv(x, weight, bias, activation)
+        return gemv_op(x, weight, bias, activation, output_activation)
+    return _cuda_gemv(x, weight, bias, activation, 0, output_activation)
 
 
 def gemv_variant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 activation: str | None = None, variant: str = "auto") -> torch.Tensor:
-    """`gemv` with the CUDA kernel forced to one of VARIANTS (benchmarks and tests compare them);
-    on the CPU it is `gemv`. Raises ValueError for an unknown variant."""
+                 activation: str | None = None, variant: str = "auto",
+                 output_activation: str | None = None) -> torch.Tensor:
+    """`gemv` with the CUDA kernel forced to one of VARIANTS (benchmarks and tests compare them; a gated
+    output always runs the row-group kernel, with the lanes a row_group_* variant names); on the CPU it
+    is `gemv`. Raises ValueError for an unknown variant."""
     if variant not in VARIANTS:
         raise ValueError(f"gemv: unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
     if not x.is_cuda:
-        return gemv(x, weight, bias, activation)
-    return _cuda_gemv(x, weight, bias, activation, VARIANTS[variant])
+        return gemv(x, weight, bias, activation, output_activation)
+    return _cuda_gemv(x, weight, bias, activation, VARIANTS[variant], output_activation)

@@ -193,18 +193,21 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         activation: str | None = None) -> torch.Tensor:
+         activation: str | None = None, output_activation: str | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) in fp32, rounded once to x's dtype; weight is [out, in] as nn.Linear stores it.
 
     With an activation ("silu" or "gelu_tanh"), x is [..., 2 * in] = [gate | up] and the input is
     act_and_mul(x), rounded to the dtype first as the unfused path (activation kernel, then matmul) rounds it.
+    With an output_activation, weight is [gate rows | up rows] and the result is act_and_mul of the rounded
+    product: [..., out / 2] (the gated MLP's gate_up projection and its activation in one).
     """
     if activation is not None:
         x = act_and_mul(x, activation)
     y = x.float() @ weight.float().t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    return y if output_activation is None else act_and_mul(y, output_activation)
 
 
 _MASK32 = 0xFFFFFFFF

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from wllm.kernels import available as kernels_available
+from wllm.kernels import gemv
+from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
+
+# Decode logits (1-2 rows) through the skinny-GEMM kernel instead of cuBLAS: the vocabulary matrix is the
+# largest single read of a decode step (1 GB for Llama-3.1-8B). WLLM_LM_HEAD_GEMV=0 keeps cuBLAS (A/B
+# runs). Measured on the H200 (RESULTS.md, session 4).
+LM_HEAD_GEMV = os.environ.get("WLLM_LM_HEAD_GEMV", "1") != "0"
+LM_HEAD_GEMV_MAX_ROWS = 2
 
 
 class VocabEmbedding(nn.Module):
@@ -25,7 +37,12 @@ class VocabEmbedding(nn.Module):
 
 def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """float32 logits [N, vocab] = hidden @ weight^T, then c * tanh(logits / c) when softcap = c."""
-    logits = F.linear(hidden, weight).float()
+    if (LM_HEAD_GEMV and hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == hidden.dtype and 0 < hidden.numel() <= LM_HEAD_GEMV_MAX_ROWS * hidden.shape[-1]
+            and weight.shape[1] <= GEMV_MAX_IN_FEATURES and kernels_available(hidden.device.index or 0)):
+        logits = gemv(hidden, weight).float()
+    else:
+        logits = F.linear(hidden, weight).float()
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from wllm.kernels import act_and_mul, gemv
 from wllm.kernels import available as kernels_available
+from wllm.kernels.gemv import gated_output_fits
 from wllm.model.layers.linear import Linear, MergedLinear
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -29,6 +31,12 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 # at 1 row, 8.3 vs 9.8 at 2, a loss at 4. The weight-size bound of Linear.use_gemv applies too.
 GEMV_MAX_FUSED_ROWS = 2
 
+# Up to GEMV_MAX_FUSED_ROWS rows the activation is applied by the gate_up projection's skinny GEMM at its
+# outputs (it reads [gate | up] rows of W together and writes act(gate) * up once), rather than by every
+# CTA of the down projection for its copy of x. WLLM_GATED_GEMV=0 moves it back into the down projection
+# (A/B runs). Measured on the H200 (RESULTS.md, session 4).
+GATED_GEMV = os.environ.get("WLLM_GATED_GEMV", "1") != "0"
+
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
 _FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
                           "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
@@ -46,8 +54,9 @@ class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`).
 
     On CUDA (kernel library present) act(gate) * up is one fused kernel over the [gate | up]
-    output; for decode-sized batches it is fused further, into the down projection's skinny GEMM
-    (no activation kernel at all). On the CPU it stays in PyTorch, unchanged.
+    output; for decode-sized batches it is fused further, into the gate_up projection's skinny GEMM
+    (which writes act(gate) * up) or else the down projection's (which applies it to its input): no
+    activation kernel at all. On the CPU it stays in PyTorch, unchanged.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
@@ -58,6 +67,12 @@ class GatedMLP(nn.Module):
         self.fused_act = _FUSED.get(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act is not None and x.is_cuda and kernels_available(x.device.index or 0):
+            gate_up_proj = self.gate_up_proj
+            if (GATED_GEMV and x.numel() <= GEMV_MAX_FUSED_ROWS * x.shape[-1] and gate_up_proj.use_gemv(x)
+                    and gated_output_fits(gate_up_proj.weight)):
+                return self.down_proj(gemv(x, gate_up_proj.weight, gate_up_proj.bias,
+                                           output_activation=self.fused_act))
         gate_up = self.gate_up_proj(x)
         if self.fused_act is not None and gate_up.is_cuda and kernels_available(gate_up.device.index or 0):
             down = self.down_proj
