@@ -144,6 +144,35 @@ def main() -> None:
     print("top kernels:")
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {name[:80]:80} {us / 1e6:8.3f} s")
+    print_gaps(prof)
+
+
+def print_gaps(prof: profile) -> None:
+    """Where the GPU idles: gaps between kernels (union of their intervals, PDL overlap included) by
+    size, and the largest ones with the kernels on either side (host work shows up as the gaps)."""
+    spans = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        spans.append((e.time_range.start, e.time_range.end, e.name))
+    if not spans:
+        return
+    spans.sort()
+    gaps = []
+    end, last = spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append((start - end, last, name))
+        if stop > end:
+            end, last = stop, name
+    buckets = [(0, 10), (10, 100), (100, 1000), (1000, float("inf"))]
+    print("GPU idle between kernels (us buckets: count, total s):")
+    for lo, hi in buckets:
+        sel = [g for g, _, _ in gaps if lo <= g < hi]
+        print(f"  {lo:>5}-{hi:<6} {len(sel):7d} {sum(sel) / 1e6:8.3f} s")
+    print("largest gaps (us, kernel before -> kernel after):")
+    for g, before, after in sorted(gaps, key=lambda t: -t[0])[:10]:
+        print(f"  {g:9.0f}  {before[:50]} -> {after[:50]}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from wllm.model.layers import linear as linear_module
 from wllm.model.layers import mlp as mlp_module
 from wllm.model.layers.embedding import LM_HEAD_GEMV_MAX_ROWS, compute_logits
 from wllm.model.layers.linear import GEMV_MAX_ROWS, Linear
-from wllm.model.layers.mlp import GEMV_MAX_FUSED_ROWS, GatedMLP
+from wllm.model.layers.mlp import GATED_GEMV_MIN_INTERMEDIATE, GEMV_MAX_FUSED_ROWS, GatedMLP
 
 DTYPES = [torch.float16, torch.bfloat16]
 ACTIVATIONS = [None, "silu", "gelu_tanh"]
@@ -212,6 +212,18 @@ def test_gemv_each_variant(dtype, activation, variant, k, m) -> None:
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("m,k", [(1, 8192), (2, 14336), (1, 14344), (3, 14336)])
+def test_gemv_auto_long_plain_rows_run_split_k(m, k) -> None:
+    """A plain x with K >= 8192 and 1-2 rows: auto is the split-K kernel (bit-identical to the forced
+    variant, matching the reference); 3 rows stay on the row-group kernel."""
+    x, w, b = make(m, 257, k, torch.bfloat16, None, True, device="cuda", seed=k + m)
+    auto = kernels.gemv(x, w, b)
+    torch.testing.assert_close(auto, reference.gemv(x, w, b), rtol=2e-2, atol=2e-2)
+    expected = "split_k" if m <= 2 else "row_group"
+    assert torch.equal(auto, gemv_variant(x, w, b, None, expected))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("m,n,k", [(1, 28672, 4096), (2, 6144, 4096), (1, 4096, 14336), (2, 9728, 896),
@@ -278,9 +290,10 @@ def test_gemv_reg_prefetch(dtype, activation, n, k, m) -> None:
     torch.testing.assert_close(out, reference.gemv(x, w, b, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
     auto = kernels.gemv(x, w, b, activation)
     torch.testing.assert_close(auto, reference.gemv(x, w, b, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
-    # launch_rows' rule: one row, and the activation fused with K <= 8192, or K >= 2048 and W <= 64 MB.
+    # launch_rows' rule: one row, and the activation fused with K <= 8192, or 2048 <= K < 8192 and W <= 64 MB
+    # (a plain x with K >= 8192 runs split-K).
     picked = m == 1 and ((activation is not None and k <= 8192) or
-                         (activation is None and k >= 2048 and n * k * w.element_size() <= 64 << 20))
+                         (activation is None and 2048 <= k < 8192 and n * k * w.element_size() <= 64 << 20))
     if picked:
         assert torch.equal(auto, out)
 
@@ -476,9 +489,10 @@ def test_linear_uses_gemv_for_decode_rows(rows: int, monkeypatch) -> None:
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("rows", [1, GEMV_MAX_FUSED_ROWS, GEMV_MAX_FUSED_ROWS + 1, GEMV_MAX_ROWS + 5])
 def test_gated_mlp_fuses_the_activation_into_a_gemv(gated: bool, act: str, rows: int, monkeypatch) -> None:
-    """Decode rows: the activation runs inside the gate_up projection's GEMV (at its outputs; the default)
-    or, with GATED_GEMV off, inside the down projection's (on its input); more rows: act_and_mul."""
+    """Decode rows: the activation runs inside the gate_up projection's GEMV (at its outputs; large MLPs)
+    or inside the down projection's (on its input; small MLPs or GATED_GEMV off); more rows: act_and_mul."""
     monkeypatch.setattr(mlp_module, "GATED_GEMV", gated)
+    monkeypatch.setattr(mlp_module, "GATED_GEMV_MIN_INTERMEDIATE", 704)
     fused = []
     real = mlp_module.gemv
 
@@ -498,6 +512,22 @@ def test_gated_mlp_fuses_the_activation_into_a_gemv(gated: bool, act: str, rows:
     torch.testing.assert_close(mlp(x), want, rtol=3e-2, atol=3e-2)
     expect = [("out" if gated else "in", mlp.fused_act)] if rows <= GEMV_MAX_FUSED_ROWS else []
     assert fused == expect
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("inter,gated", [(4864, False), (GATED_GEMV_MIN_INTERMEDIATE, True), (14336, True)])
+def test_gated_mlp_policy_by_size(inter: int, gated: bool, monkeypatch) -> None:
+    """By default only MLPs with an intermediate size of at least GATED_GEMV_MIN_INTERMEDIATE move the
+    activation to the gate_up projection (where the down projection's K is long)."""
+    kinds = []
+    real = mlp_module.gemv
+    monkeypatch.setattr(mlp_module, "gemv",
+                        lambda *a, **kw: kinds.append("out" if kw.get("output_activation") else "in") or real(*a, **kw))
+    mlp = GatedMLP(2048, inter, "silu").to("cuda", torch.bfloat16)
+    mlp.gate_up_proj.weight.data.normal_(std=2048**-0.5)
+    mlp.down_proj.weight.data.normal_(std=inter**-0.5)
+    mlp(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16))
+    assert kinds == ["out" if gated else "in"]
 
 
 @pytest.mark.cuda

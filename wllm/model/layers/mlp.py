@@ -31,11 +31,15 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 # at 1 row, 8.3 vs 9.8 at 2, a loss at 4. The weight-size bound of Linear.use_gemv applies too.
 GEMV_MAX_FUSED_ROWS = 2
 
-# Up to GEMV_MAX_FUSED_ROWS rows the activation is applied by the gate_up projection's skinny GEMM at its
-# outputs (it reads [gate | up] rows of W together and writes act(gate) * up once), rather than by every
-# CTA of the down projection for its copy of x. WLLM_GATED_GEMV=0 moves it back into the down projection
-# (A/B runs). Measured on the H200 (RESULTS.md, session 4).
+# Up to GEMV_MAX_FUSED_ROWS rows and for intermediate sizes of at least GATED_GEMV_MIN_INTERMEDIATE, the
+# activation is applied by the gate_up projection's skinny GEMM at its outputs (it reads [gate | up] rows of
+# W together and writes act(gate) * up once) rather than by every CTA of the down projection for its copy
+# of x. H200, behind the kernel that writes x (benchmarks/kernels_gemv.py, RESULTS.md session 4): Llama's
+# down (K = 14336) 32.4 us with SiLU on x vs 28.5 plain, for 1.8 us more in gate_up; Qwen's (K = 4864)
+# 4.3 us vs 4.7, so small MLPs keep the activation in the down projection. WLLM_GATED_GEMV=0 turns it off
+# (A/B runs).
 GATED_GEMV = os.environ.get("WLLM_GATED_GEMV", "1") != "0"
+GATED_GEMV_MIN_INTERMEDIATE = 8192
 
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
 _FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
@@ -69,7 +73,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act is not None and x.is_cuda and kernels_available(x.device.index or 0):
             gate_up_proj = self.gate_up_proj
-            if (GATED_GEMV and x.numel() <= GEMV_MAX_FUSED_ROWS * x.shape[-1] and gate_up_proj.use_gemv(x)
+            if (GATED_GEMV and self.down_proj.in_features >= GATED_GEMV_MIN_INTERMEDIATE
+                    and x.numel() <= GEMV_MAX_FUSED_ROWS * x.shape[-1] and gate_up_proj.use_gemv(x)
                     and gated_output_fits(gate_up_proj.weight)):
                 return self.down_proj(gemv(x, gate_up_proj.weight, gate_up_proj.bias,
                                            output_activation=self.fused_act))
