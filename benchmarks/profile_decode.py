@@ -11,13 +11,18 @@ the idle share of the GPU timeline, and the top kernels by total time.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from wllm import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_throughput import print_gaps  # noqa: E402
 
 
 def _sync() -> None:
@@ -77,6 +82,7 @@ def main() -> None:
     print(f"\n{'CUDA runtime call (host)':70} {'calls/step':>10} {'us/step':>9}")
     for name, times in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:8]:
         print(f"{name[:70]:70} {len(times) / args.steps:10.1f} {sum(times) / args.steps:9.1f}")
+    print_gaps(prof, (1, 2, 5, 10, 50), per=args.steps)
     phases(engine, prompt[0], args.steps)
 
 

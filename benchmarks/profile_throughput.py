@@ -147,9 +147,10 @@ def main() -> None:
     print_gaps(prof)
 
 
-def print_gaps(prof: profile) -> None:
+def print_gaps(prof: profile, edges_us: tuple[float, ...] = (10, 100, 1000), per: int = 1) -> None:
     """Where the GPU idles: gaps between kernels (union of their intervals, PDL overlap included) by
-    size, and the largest ones with the kernels on either side (host work shows up as the gaps)."""
+    size (bucket edges in us), and the largest ones with the kernels on either side (host work shows
+    up as the gaps). Totals are divided by `per` (steps, for per-step figures)."""
     spans = []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -165,11 +166,13 @@ def print_gaps(prof: profile) -> None:
             gaps.append((start - end, last, name))
         if stop > end:
             end, last = stop, name
-    buckets = [(0, 10), (10, 100), (100, 1000), (1000, float("inf"))]
-    print("GPU idle between kernels (us buckets: count, total s):")
-    for lo, hi in buckets:
+    bounds = (0, *edges_us, float("inf"))
+    unit = "s" if per == 1 else "us per step"
+    print(f"GPU idle between kernels (us buckets: count, total {unit}):")
+    for lo, hi in zip(bounds, bounds[1:]):
         sel = [g for g, _, _ in gaps if lo <= g < hi]
-        print(f"  {lo:>5}-{hi:<6} {len(sel):7d} {sum(sel) / 1e6:8.3f} s")
+        total = sum(sel) / 1e6 if per == 1 else sum(sel) / per
+        print(f"  {lo:>5}-{hi:<6} {len(sel) / per:9.1f} {total:10.3f}")
     print("largest gaps (us, kernel before -> kernel after):")
     for g, before, after in sorted(gaps, key=lambda t: -t[0])[:10]:
         print(f"  {g:9.0f}  {before[:50]} -> {after[:50]}")
