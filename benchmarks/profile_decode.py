@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen2.5-0.5b")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--trace", type=int, default=256, help="new tokens of the per-step trace (0: none)")
     args = parser.parse_args()
 
     llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.5)
@@ -84,6 +85,7 @@ def main() -> None:
         print(f"{name[:70]:70} {len(times) / args.steps:10.1f} {sum(times) / args.steps:9.1f}")
     print_gaps(prof, (1, 2, 5, 10, 50), per=args.steps)
     phases(engine, prompt[0], args.steps)
+    step_trace(engine, prompt[0], args.trace)
 
 
 def phases(engine, prompt: list[int], steps: int) -> None:  # noqa: ANN001 - LLMEngine
@@ -134,6 +136,33 @@ def phases(engine, prompt: list[int], steps: int) -> None:  # noqa: ANN001 - LLM
     print(f"\nhost phases per decode step (profiler off): wall {wall / steps * 1e6:.0f} us")
     for label, t in totals.items():
         print(f"  {label:45} {t / steps * 1e6:8.1f} us")
+
+
+def step_trace(engine, prompt: list[int], new_tokens: int) -> None:  # noqa: ANN001 - LLMEngine
+    """Wall time of every engine step of one request as `wllm bench latency` runs it (profiler off): by
+    context bucket, the slowest steps (a step that cannot run ahead shows up as an outlier), and how
+    many steps ran ahead."""
+    if new_tokens <= 0:
+        return
+    engine.add_request("trace", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    ahead0, steps0 = engine.num_lookahead_steps, engine.num_steps
+    times: list[float] = []
+    _sync()
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    _sync()
+    ahead, steps = engine.num_lookahead_steps - ahead0, engine.num_steps - steps0
+    print(f"\nstep trace: {len(prompt)}-token prompt, {new_tokens} new tokens, {len(times)} step() calls, "
+          f"{steps} steps launched ({ahead} ahead), total {sum(times) * 1e3:.1f} ms")
+    bucket = 32
+    for i in range(0, len(times), bucket):
+        part = sorted(times[i:i + bucket])
+        print(f"  steps {i:4d}-{i + len(part) - 1:4d}: median {part[len(part) // 2] * 1e3:7.3f} ms, "
+              f"max {part[-1] * 1e3:7.3f} ms, sum {sum(part) * 1e3:8.2f} ms")
+    slow = sorted(range(len(times)), key=lambda i: -times[i])[:8]
+    print("  slowest steps (index: ms): " + ", ".join(f"{i}: {times[i] * 1e3:.2f}" for i in sorted(slow)))
 
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ def main() -> None:
         n = len(times)
         print(f"{kind:15} {n:6d} {sum(times):8.3f} {1e3 * sum(times) / n:8.2f} {info['tokens'][kind]:8d} "
               f"{info['seqs'][kind] / n:9.1f}")
+    steps = [(dt, kind, i) for kind, times in info["kinds"].items() for i, dt in enumerate(times)]
+    print("slowest steps (ms, kind, index within its kind): "
+          + ", ".join(f"{dt * 1e3:.1f} {kind} #{i}" for dt, kind, i in sorted(steps, reverse=True)[:8]))
     if args.no_profile:
         return
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

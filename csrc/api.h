@@ -136,6 +136,19 @@ WLLM_API int WLLM_FN(wllm_copy_blocks)(const void* src, void* dst, const int64_t
                                        int64_t dst_num_blocks, int64_t src_block_stride, int64_t dst_block_stride,
                                        int64_t src_plane_stride, int64_t dst_plane_stride, void* stream);
 
+// 1 when ptr is host memory a kernel can read and write at the same address (pinned with cudaHostAlloc,
+// unified addressing), else 0 (then use copies). Never fails.
+WLLM_API int WLLM_FN(wllm_host_mapped)(const void* ptr);
+
+// A decode step's staging in one small kernel (one CTA) on `stream`: copies nbytes from src to dst
+// (either may be pinned host memory, see wllm_host_mapped; read uncached, written through), then, when
+// n > 0, sets input_ids[i] = prev_tokens[rows ? rows[i] : i] for i < n (prev_dtype 1: int64 ids, 2:
+// float64 ids; rows int64 on the device, may lie inside dst). For a few KB: larger transfers belong to the
+// copy engine.
+WLLM_API int WLLM_FN(wllm_stage_copy)(void* dst, const void* src, int64_t nbytes, int64_t* input_ids,
+                                      const void* prev_tokens, int prev_dtype, const int64_t* rows, int64_t n,
+                                      void* stream);
+
 // Bytes of fp32 workspace wllm_paged_decode_attention needs for these sizes (0 when it will not split).
 WLLM_API int WLLM_FN(wllm_paged_decode_workspace_size)(int num_seqs, int num_heads, int num_kv_heads, int head_size,
                                                        int64_t max_seq_len, int num_splits, int64_t* bytes);

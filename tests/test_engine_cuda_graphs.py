@@ -86,6 +86,29 @@ def test_graph_replay_identical_to_eager(models):
     assert eager.runner.cuda_runner.num_graph_steps == 0 and not eager.runner.cuda_runner.graphs.sizes
 
 
+def test_zero_copy_staging_matches_copy_engine_staging(models, monkeypatch):
+    """Decode steps staged by the small kernel that reads pinned memory in place (and writes the sampled ids
+    back the same way) give the same tokens as copy-engine staging, with lookahead steps (input ids from the
+    previous step's samples) and mixed steps (their staging is larger: copy engine) in the run."""
+    from wllm.engine import cuda_runner as runner_module
+
+    torch.manual_seed(0)
+    gpu = models["llama"][0]
+    prompts = make_prompts()
+    params = [GREEDY] * 8 + [SamplingParams(temperature=0.9, top_p=0.8, max_tokens=MAX_TOKENS, seed=i,
+                                            ignore_eos=True) for i in range(8)]
+    outs = {}
+    for zero_copy in (True, False):
+        monkeypatch.setattr(runner_module, "ZERO_COPY_STAGING", zero_copy)
+        engine = make_engine(gpu, seqs=16, budget=24)
+        runner = engine.runner.cuda_runner
+        assert runner._zero_copy is zero_copy
+        outs[zero_copy] = [o.outputs[0].token_ids for o in run_staggered(engine, prompts, params, per_step=4)]
+        assert runner.num_graph_steps > 0 and runner.num_lookahead_steps > 0 and runner.num_eager_steps > 0
+        assert_all_free(engine)
+    assert outs[True] == outs[False]
+
+
 def test_seeded_gpu_sampling_reproducible_and_batch_independent(models):
     torch.manual_seed(0)
     gpu = models["llama"][0]

@@ -49,6 +49,8 @@ SIGNATURES: dict[str, list] = {
                               c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int, c_int, c_void_p],
     "wllm_copy_blocks": [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,
                          c_int64, c_int64, c_int64, c_void_p],
+    "wllm_host_mapped": [c_void_p],
+    "wllm_stage_copy": [c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int, c_void_p, c_int64, c_void_p],
     "wllm_paged_decode_workspace_size": [c_int, c_int, c_int, c_int, c_int64, c_int, ctypes.POINTER(c_int64)],
     "wllm_paged_decode_attention": [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_int, c_int,
                                     c_int, c_int, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,

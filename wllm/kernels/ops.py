@@ -545,6 +545,50 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block
         _cuda_copy_blocks(src, dst, pairs, block_dim)
 
 
+def host_mapped(t: torch.Tensor) -> bool:
+    """Whether kernels can read and write the CPU tensor `t` in place (pinned memory under unified
+    addressing), so `stage_copy` may move it without the copy engine. False off CUDA."""
+    if t.is_cuda or not t.is_pinned() or not _lib.available():
+        return False
+    return bool(_lib.binding(torch.cuda.current_device()).wllm_host_mapped(t.data_ptr()))
+
+
+_PREV_DTYPES = {torch.int64: 1, torch.float64: 2}
+
+
+def stage_copy(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor | None = None,
+               prev_tokens: torch.Tensor | None = None, rows: torch.Tensor | None = None, n: int = 0) -> None:
+    """A decode step's staging in one small kernel on the current stream: dst's bytes = src's bytes (one of
+    them may be pinned host memory that `host_mapped` accepts: the kernel reads or writes it in place,
+    no copy-engine transfer), then input_ids[i] = prev_tokens[rows[i] (or i)] for i < n (int64 or
+    float64 token ids of the previous step, on the device; rows int64, may lie inside dst). Meant for a
+    few KB. Off CUDA it is `reference.stage_copy`. Raises ValueError on mismatched sizes or dtypes."""
+    if dst.numel() * dst.element_size() != src.numel() * src.element_size():
+        raise ValueError(f"stage_copy: dst has {dst.numel() * dst.element_size()} bytes, src "
+                         f"{src.numel() * src.element_size()}")
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError("stage_copy: dst and src must be contiguous")
+    if n:
+        if input_ids is None or prev_tokens is None or input_ids.dtype != torch.int64 or \
+                prev_tokens.dtype not in _PREV_DTYPES or input_ids.numel() < n or \
+                (rows is not None and (rows.dtype != torch.int64 or rows.numel() < n)):
+            raise ValueError("stage_copy: n > 0 needs int64 input_ids and rows and int64/float64 prev_tokens "
+                             "with at least n elements")
+        if not (input_ids.is_contiguous() and prev_tokens.is_contiguous()):
+            raise ValueError("stage_copy: input_ids and prev_tokens must be contiguous")
+    device = dst.device if dst.is_cuda else src.device
+    if device.type != "cuda":
+        reference.stage_copy(dst, src, input_ids, prev_tokens, rows, n)
+        return
+    lib = _lib.binding(device.index or 0)
+    lib.check(lib.wllm_stage_copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
+                                  input_ids.data_ptr() if n else None, prev_tokens.data_ptr() if n else None,
+                                  _PREV_DTYPES[prev_tokens.dtype] if n else 0,
+                                  rows.data_ptr() if n and rows is not None else None, n,
+                                  torch.cuda.current_stream(device).cuda_stream),
+              "stage_copy")
+
+
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                            max_seq_len: int | None = None, sliding_window: int | None = None,

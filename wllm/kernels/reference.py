@@ -141,6 +141,15 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block
     dst.index_copy_(block_dim, dst_ids, gathered)
 
 
+def stage_copy(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor | None = None,
+               prev_tokens: torch.Tensor | None = None, rows: torch.Tensor | None = None, n: int = 0) -> None:
+    """dst (bytes) = src (bytes); then input_ids[i] = prev_tokens[rows[i] if rows is given else i] for i < n."""
+    dst.view(torch.uint8).copy_(src.view(torch.uint8))
+    if n:
+        index = rows[:n].long() if rows is not None else torch.arange(n, device=prev_tokens.device)
+        input_ids[:n] = prev_tokens.index_select(0, index.to(prev_tokens.device)).to(input_ids.dtype)
+
+
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int = 0,
                            logit_softcap: float = 0.0) -> torch.Tensor:
