@@ -136,6 +136,24 @@ WLLM_API int WLLM_FN(wllm_copy_blocks)(const void* src, void* dst, const int64_t
                                        int64_t dst_num_blocks, int64_t src_block_stride, int64_t dst_block_stride,
                                        int64_t src_plane_stride, int64_t dst_plane_stride, void* stream);
 
+// The qkv projection of decode rows with the rotary embedding and the KV-cache write fused in (gemv.cu):
+// weight is [(num_heads + 2 * num_kv_heads) * head_size, in_features] (q heads, k heads, v heads; optional
+// bias of as many elements); for each of the `rows` rows of x (in_features elements, 1-2 per pass over the
+// weight) the product is rounded to the dtype, then q and k heads are rotated by positions[r] as
+// wllm_rotary_and_cache rotates them (cos_sin: fp32 [max_position, rot_dim], cos half then sin half;
+// NeoX or GPT-J pairs; dims past rot_dim pass through), q goes to q_out (row r at r * q_row_stride, heads
+// contiguous) and k, v into the caches [num_blocks, block_size, num_kv_heads, head_size] (strides in
+// elements, head dims contiguous) at slots[r] (skipped when < 0). in_features and weight_row_stride must be
+// multiples of 8 and the weight 16-byte aligned; fp16/bf16.
+WLLM_API int WLLM_FN(wllm_gemv_rotary_cache)(void* q_out, const void* x, const void* weight, const void* bias,
+                                             int64_t rows, int64_t in_features, int64_t q_row_stride,
+                                             int64_t x_row_stride, int64_t weight_row_stride, const int64_t* positions,
+                                             const int64_t* slots, const float* cos_sin, int64_t max_position,
+                                             int rot_dim, void* key_cache, void* value_cache, int64_t num_blocks,
+                                             int block_size, int num_heads, int num_kv_heads, int head_size,
+                                             int64_t cache_block_stride, int64_t cache_token_stride,
+                                             int64_t cache_head_stride, int is_neox, int dtype, void* stream);
+
 // 1 when ptr is host memory a kernel can read and write at the same address (pinned with cudaHostAlloc,
 // unified addressing), else 0 (then use copies). Never fails.
 WLLM_API int WLLM_FN(wllm_host_mapped)(const void* ptr);

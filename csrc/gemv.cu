@@ -26,6 +26,10 @@ namespace WLLM_NS {
 namespace {
 
 enum GemvPrologue { PROLOGUE_NONE = 0, PROLOGUE_SILU_AND_MUL = 1, PROLOGUE_GELU_TANH_AND_MUL = 2 };
+// Epilogues (the EPI template argument of the row-group kernel): none, the gated activations above
+// (codes 1 and 2: act(gate) * up), or the rotary one: the qkv projection of decode rows writing rotated
+// q, and rotated k and v straight into one layer's paged KV caches (wllm_gemv_rotary_cache).
+enum GemvEpilogue { EPILOGUE_ROTARY = 3 };
 
 // Kernel choice, bits 8..15 of the prologue argument (benchmarks and tests; 0 = automatic). A forced
 // row-group variant that does not apply (rows > 4, unaligned or odd K) falls back to the split-K kernel;
@@ -45,6 +49,29 @@ constexpr int kRows = 2;      // rows of W per task
 constexpr int kUnroll = 4;    // chunks per lane loaded before any is used (loads in flight = kUnroll * kRows)
 constexpr int kMaxWarps = 8;  // CTA size is 4 or 8 warps
 
+// The rotary epilogue's inputs and outputs: W rows are [q heads | k heads | v heads] of head_size rows
+// each; q (rotated) goes to GemvParams::out, k (rotated) and v to the caches [blocks, block_size, Hkv, D]
+// at slots[m] (skipped when < 0 or >= num_slots: graph padding).
+template <typename T>
+struct RopeOut {
+  const int64_t* positions;  // [m], clamped to [0, max_position)
+  const int64_t* slots;      // [m]
+  const float* cos_sin;      // [max_position, rot_dim]: cos half, then sin half (rotary_embedding's table)
+  T* key_cache;
+  T* value_cache;
+  int num_heads;
+  int num_kv_heads;
+  int head_size;
+  int rot_dim;
+  int neox;
+  int block_size;
+  int64_t num_slots;
+  int64_t max_position;
+  int64_t c_block;  // cache strides in elements: block, token, head
+  int64_t c_tok;
+  int64_t c_head;
+};
+
 template <typename T>
 struct GemvParams {
   T* out;
@@ -62,6 +89,7 @@ struct GemvParams {
   int tasks;  // ceil(n / kRows)
   int x_vec;  // x rows can be read with 16-byte loads
   int64_t up_offset;  // gated output only: elements from a gate row of W to its up row (0 otherwise)
+  RopeOut<T> rope;    // rotary epilogue only
 };
 
 // act(g) * u in fp32. Both activations are g * sigmoid(z): z = g for SiLU, and for tanh-GELU
@@ -368,6 +396,105 @@ __device__ __forceinline__ void write_gated_rows(const GemvParams<T>& p, int n, 
   }
 }
 
+// Rotary epilogue: output pair n (of (Hq + 2 * Hkv) * head_size / 2) is two rows a, b of head `head`.
+// Rotated dims pair as rotary_embedding pairs them (NeoX: j and j + rot_dim / 2; GPT-J: 2j and 2j + 1,
+// j < rot_dim / 2, table column j); the dims past rot_dim of q and k heads, and all of v, pair up
+// adjacently and pass through.
+struct RotaryPair {
+  int head, a, b, j;
+  bool rotate;
+};
+
+template <typename T>
+__device__ __forceinline__ RotaryPair rotary_pair(const RopeOut<T>& r, int n) {
+  const int hp = r.head_size / 2;
+  const int half = r.rot_dim / 2;
+  RotaryPair q;
+  q.head = n / hp;
+  const int j = n - q.head * hp;
+  const bool is_v = q.head >= r.num_heads + r.num_kv_heads;
+  q.rotate = !is_v && j < half;
+  q.j = j;
+  if (q.rotate) {
+    q.a = r.neox ? j : 2 * j;
+    q.b = r.neox ? j + half : 2 * j + 1;
+  } else {
+    q.a = is_v ? 2 * j : r.rot_dim + 2 * (j - half);
+    q.b = q.a + 1;
+  }
+  return q;
+}
+
+// Sums the pair's partials over the group, adds the biases, rounds each to T (as the projection's output
+// is stored), rotates in fp32 with one rounding (rotary_and_cache's math), and writes q to p.out or k / v
+// into the caches. Every lane of the group must call it (shuffles).
+template <typename T, int MAXM, int G>
+__device__ __forceinline__ void write_rotary_rows(const GemvParams<T>& p, int n, int lane, unsigned mask,
+                                                  const float (&acc0)[MAXM], const float (&acc1)[MAXM]) {
+  const RopeOut<T>& r = p.rope;
+  const RotaryPair q = rotary_pair(r, n);
+  const int64_t row0 = static_cast<int64_t>(q.head) * r.head_size + q.a;
+  const int64_t row1 = static_cast<int64_t>(q.head) * r.head_size + q.b;
+  const bool biased = p.bias != nullptr && lane < p.m;
+  const float b0 = biased ? Conv<T>::to_float(p.bias[row0]) : 0.0f;
+  const float b1 = biased ? Conv<T>::to_float(p.bias[row1]) : 0.0f;
+#pragma unroll
+  for (int m = 0; m < MAXM; ++m) {
+    if (m < p.m) {  // uniform over the group
+      const float s0 = group_sum<G>(acc0[m], mask);
+      const float s1 = group_sum<G>(acc1[m], mask);
+      if (lane == m) {
+        const float x1 = Conv<T>::to_float(Conv<T>::from_float(s0 + b0));
+        const float x2 = Conv<T>::to_float(Conv<T>::from_float(s1 + b1));
+        float y1 = x1, y2 = x2;
+        if (q.rotate) {
+          int64_t pos = r.positions[m];
+          if (pos < 0) pos = 0;
+          if (pos >= r.max_position) pos = r.max_position - 1;
+          const float* cos_row = r.cos_sin + pos * r.rot_dim;
+          const float c = __ldg(cos_row + q.j);
+          const float sn = __ldg(cos_row + r.rot_dim / 2 + q.j);
+          y1 = x1 * c - x2 * sn;
+          y2 = x2 * c + x1 * sn;
+        }
+        const T o1 = Conv<T>::from_float(y1);
+        const T o2 = Conv<T>::from_float(y2);
+        if (q.head < r.num_heads) {
+          T* dst = p.out + m * p.ldo + static_cast<int64_t>(q.head) * r.head_size;
+          dst[q.a] = o1;
+          dst[q.b] = o2;
+        } else {
+          const int64_t slot = r.slots[m];
+          if (slot >= 0 && slot < r.num_slots) {
+            const bool is_v = q.head >= r.num_heads + r.num_kv_heads;
+            const int kv = q.head - r.num_heads - (is_v ? r.num_kv_heads : 0);
+            const int64_t block = slot / r.block_size;
+            T* dst = (is_v ? r.value_cache : r.key_cache) + block * r.c_block + (slot - block * r.block_size) * r.c_tok +
+                     kv * r.c_head;
+            dst[q.a] = o1;
+            dst[q.b] = o2;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The rows of W that output column (or pair) n of the row-group kernel reads: row n; rows n and n + p.n
+// for a gated output; the rotary pair's two rows.
+template <typename T, int EPI, int NR>
+__device__ __forceinline__ void group_rows(const GemvParams<T>& p, int n, const T* (&rows)[NR]) {
+  if constexpr (EPI == EPILOGUE_ROTARY) {
+    const RotaryPair q = rotary_pair(p.rope, n);
+    const T* head = p.w + static_cast<int64_t>(q.head) * p.rope.head_size * p.ldw;
+    rows[0] = head + static_cast<int64_t>(q.a) * p.ldw;
+    rows[NR - 1] = head + static_cast<int64_t>(q.b) * p.ldw;
+  } else {
+    rows[0] = p.w + static_cast<int64_t>(n) * p.ldw;
+    if constexpr (NR > 1) rows[1] = rows[0] + p.up_offset;
+  }
+}
+
 // Grid: persistent CTAs; lanes [g * G, (g + 1) * G) of the CTA form group g. Global group q takes rows
 // q, q + groups_total, ... (each row over all of K). Lane l of a group takes 16-byte chunks l, l + G, ...
 // of the row. Shared memory: x [m][k_pad] of T only. With a gated output (EPI != PROLOGUE_NONE) a group's
@@ -375,9 +502,12 @@ __device__ __forceinline__ void write_gated_rows(const GemvParams<T>& p, int n, 
 // together, and the group writes act(gate) * up.
 template <typename T, int PRO, int MAXM, int G, int EPI>
 __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const GemvParams<T> p) {
-  pdl_trigger_early<PDL_GEMV>();
+  // With the rotary epilogue this kernel stands where rotary_and_cache did, ahead of decode attention,
+  // and triggers its dependent as that kernel does.
+  constexpr int kFamily = EPI == EPILOGUE_ROTARY ? PDL_ROPE : PDL_GEMV;
+  pdl_trigger_early<kFamily>();
   static_assert(G == 8 || G == 16 || G == 32, "lane groups are 8, 16 or 32 lanes");
-  static_assert(PRO == PROLOGUE_NONE || EPI == PROLOGUE_NONE, "an activation on x or on the output, not both");
+  static_assert(PRO == PROLOGUE_NONE || EPI == PROLOGUE_NONE, "a prologue or an epilogue, not both");
   constexpr int NR = EPI != PROLOGUE_NONE ? 2 : 1;  // rows of W per output column
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);
@@ -394,21 +524,23 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
   // and while x, its output, is staged. The whole row, up to kRgPrefetch loads per lane: in a decode
   // step most groups own one or two rows, so this covers most of the matrix.
   if (first_row < p.n) {
+    const T* rows[NR];
+    group_rows<T, EPI, NR>(p, first_row, rows);
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
-      const T* row = p.w + static_cast<int64_t>(first_row) * p.ldw + r * p.up_offset;
       for (int u = 0, c = lane; u < kRgPrefetch / NR && c < chunks; ++u, c += G) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + static_cast<int64_t>(c) * 8));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(rows[r] + static_cast<int64_t>(c) * 8));
       }
     }
   }
-  pdl_wait_and_trigger<PDL_GEMV>();
+  pdl_wait_and_trigger<kFamily>();
   stage_x<T, PRO>(xs, p);
   __syncthreads();  // the only barrier: from here on each group runs on its own
 
   // The trip count is uniform over a group (the shuffles below name only the group's lanes).
   for (int n = first_row; n < p.n; n += row_step) {
-    const T* row = p.w + static_cast<int64_t>(n) * p.ldw;
+    const T* rows[NR];
+    group_rows<T, EPI, NR>(p, n, rows);
     float acc[NR][MAXM];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
@@ -423,7 +555,7 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
         const int c = c0 + u * G + lane;
         if (c < chunks) {
 #pragma unroll
-          for (int r = 0; r < NR; ++r) wv[u][r].load_weight(row + r * p.up_offset + static_cast<int64_t>(c) * 8);
+          for (int r = 0; r < NR; ++r) wv[u][r].load_weight(rows[r] + static_cast<int64_t>(c) * 8);
         }
       }
 #pragma unroll
@@ -435,7 +567,9 @@ __global__ void __launch_bounds__(kRgMaxThreads, 1) gemv_row_group_kernel(const 
         }
       }
     }
-    if constexpr (EPI != PROLOGUE_NONE) {
+    if constexpr (EPI == EPILOGUE_ROTARY) {
+      write_rotary_rows<T, MAXM, G>(p, n, lane, mask, acc[0], acc[NR - 1]);
+    } else if constexpr (EPI != PROLOGUE_NONE) {
       write_gated_rows<T, MAXM, G, EPI>(p, n, lane, mask, acc[0], acc[NR - 1]);
     } else {
       write_group_rows<T, MAXM, G>(p, n, lane, mask, acc[0]);
@@ -768,8 +902,9 @@ inline int row_group_lanes(int k, int variant) {
   return k >= 2048 ? 32 : (k >= 512 ? 16 : 8);
 }
 
-// Gated output (the gated MLP's gate_up projection writing act(gate) * up): the row-group kernel, 1-2
-// rows of x per launch (run_gemv passes at most 2), 16-byte aligned W rows and K a multiple of 8.
+// Gated output (the gated MLP's gate_up projection writing act(gate) * up) or the rotary epilogue: the
+// row-group kernel, 1-2 rows of x per launch (run_gemv passes at most 2), 16-byte aligned W rows and K a
+// multiple of 8.
 template <typename T, int EPI>
 int launch_gated(GemvParams<T> p, int variant, const DeviceProps& dev, cudaStream_t stream) {
   const int lanes = row_group_lanes(p.k, variant);
@@ -814,7 +949,8 @@ int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceProps& dev, 
 
 template <typename T>
 int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n, int64_t k, int64_t ldo,
-             int64_t ldx, int64_t ldw, int prologue, int epilogue, int variant, cudaStream_t stream) {
+             int64_t ldx, int64_t ldw, int prologue, int epilogue, int variant, cudaStream_t stream,
+             const RopeOut<T>* rope = nullptr) {
   DeviceProps dev;
   int status = current_device_props(&dev);
   if (status != WLLM_OK) return status;
@@ -832,13 +968,14 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
                 "gemv: in_features=%lld needs %zu bytes of shared memory for one row of x; this GPU allows %d",
                 (long long)k, smem_bytes(1, k_pad, sizeof(T), kMaxWarps, 1), dev.max_smem);
   }
-  // Gated output: W is [gate rows | up rows]; out gets n / 2 columns, 1-2 rows of x per pass.
+  // Gated output: W is [gate rows | up rows]; out gets n / 2 columns. Rotary: n / 2 row pairs. Both take
+  // 1-2 rows of x per pass.
   const int64_t out_n = epilogue != PROLOGUE_NONE ? n / 2 : n;
   if (epilogue != PROLOGUE_NONE) {
     if (!vec || n % 2 != 0) {
       return fail(WLLM_ERR_INVALID_ARGUMENT,
-                  "gemv: a gated output needs an even out_features (%lld), in_features (%lld) and the weight row "
-                  "stride (%lld) multiples of 8 and a 16-byte aligned weight",
+                  "gemv: a gated or rotary output needs an even out_features (%lld), in_features (%lld) and the "
+                  "weight row stride (%lld) multiples of 8 and a 16-byte aligned weight",
                   (long long)n, (long long)k, (long long)ldw);
     }
     if (per_pass > 2) per_pass = 2;
@@ -860,7 +997,14 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
     p.wk = 1;
     p.tasks = static_cast<int>((n + kRows - 1) / kRows);
     p.x_vec = x_vec ? 1 : 0;
-    if (epilogue == PROLOGUE_SILU_AND_MUL) {
+    if (rope != nullptr) {
+      p.rope = *rope;
+      p.rope.positions = rope->positions + m0;
+      p.rope.slots = rope->slots + m0;
+    }
+    if (epilogue == EPILOGUE_ROTARY) {
+      status = launch_gated<T, EPILOGUE_ROTARY>(p, variant, dev, stream);
+    } else if (epilogue == PROLOGUE_SILU_AND_MUL) {
       status = launch_gated<T, PROLOGUE_SILU_AND_MUL>(p, variant, dev, stream);
     } else if (epilogue == PROLOGUE_GELU_TANH_AND_MUL) {
       status = launch_gated<T, PROLOGUE_GELU_TANH_AND_MUL>(p, variant, dev, stream);
@@ -930,4 +1074,58 @@ WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, co
                                  static_cast<const __nv_bfloat16*>(weight), static_cast<const __nv_bfloat16*>(bias),
                                  rows, out_features, in_features, out_row_stride, x_row_stride, weight_row_stride,
                                  prologue, epilogue, variant, s);
+}
+
+WLLM_API int WLLM_FN(wllm_gemv_rotary_cache)(void* q_out, const void* x, const void* weight, const void* bias,
+                                             int64_t rows, int64_t in_features, int64_t q_row_stride,
+                                             int64_t x_row_stride, int64_t weight_row_stride, const int64_t* positions,
+                                             const int64_t* slots, const float* cos_sin, int64_t max_position,
+                                             int rot_dim, void* key_cache, void* value_cache, int64_t num_blocks,
+                                             int block_size, int num_heads, int num_kv_heads, int head_size,
+                                             int64_t cache_block_stride, int64_t cache_token_stride,
+                                             int64_t cache_head_stride, int is_neox, int dtype, void* stream) {
+  using namespace WLLM_NS;
+  const int64_t heads = static_cast<int64_t>(num_heads) + 2 * static_cast<int64_t>(num_kv_heads);
+  if (rows < 0 || in_features <= 0 || in_features > 0x3fffffffLL || num_heads <= 0 || num_kv_heads <= 0 ||
+      head_size <= 0 || head_size % 2 != 0 || rot_dim < 0 || rot_dim % 2 != 0 || rot_dim > head_size ||
+      heads * head_size > 0x7ffffffeLL || block_size <= 0 || num_blocks <= 0 || max_position <= 0) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT,
+                "gemv_rotary_cache: bad sizes (rows=%lld in_features=%lld heads %d/%d head_size=%d rot_dim=%d "
+                "block_size=%d num_blocks=%lld max_position=%lld)",
+                (long long)rows, (long long)in_features, num_heads, num_kv_heads, head_size, rot_dim, block_size,
+                (long long)num_blocks, (long long)max_position);
+  }
+  if (weight_row_stride < in_features || (rows > 1 && (x_row_stride < in_features ||
+                                                      q_row_stride < static_cast<int64_t>(num_heads) * head_size))) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv_rotary_cache: row strides shorter than the rows");
+  }
+  if (dtype != WLLM_FLOAT16 && dtype != WLLM_BFLOAT16) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv_rotary_cache: dtype code %d unsupported (fp16 = 1, bf16 = 2 only)",
+                dtype);
+  }
+  if (rows == 0) return WLLM_OK;
+  if (q_out == nullptr || x == nullptr || weight == nullptr || positions == nullptr || slots == nullptr ||
+      key_cache == nullptr || value_cache == nullptr || (rot_dim > 0 && cos_sin == nullptr)) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemv_rotary_cache: null pointer");
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int64_t n = heads * head_size;
+  if (dtype == WLLM_FLOAT16) {
+    RopeOut<__half> r{positions, slots, cos_sin, static_cast<__half*>(key_cache), static_cast<__half*>(value_cache),
+                      num_heads, num_kv_heads, head_size, rot_dim, is_neox ? 1 : 0, block_size,
+                      num_blocks * block_size, max_position, cache_block_stride, cache_token_stride,
+                      cache_head_stride};
+    return run_gemv<__half>(static_cast<__half*>(q_out), static_cast<const __half*>(x),
+                            static_cast<const __half*>(weight), static_cast<const __half*>(bias), rows, n, in_features,
+                            q_row_stride, x_row_stride, weight_row_stride, PROLOGUE_NONE, EPILOGUE_ROTARY,
+                            VARIANT_AUTO, s, &r);
+  }
+  RopeOut<__nv_bfloat16> r{positions, slots, cos_sin, static_cast<__nv_bfloat16*>(key_cache),
+                           static_cast<__nv_bfloat16*>(value_cache), num_heads, num_kv_heads, head_size, rot_dim,
+                           is_neox ? 1 : 0, block_size, num_blocks * block_size, max_position, cache_block_stride,
+                           cache_token_stride, cache_head_stride};
+  return run_gemv<__nv_bfloat16>(static_cast<__nv_bfloat16*>(q_out), static_cast<const __nv_bfloat16*>(x),
+                                 static_cast<const __nv_bfloat16*>(weight), static_cast<const __nv_bfloat16*>(bias),
+                                 rows, n, in_features, q_row_stride, x_row_stride, weight_row_stride, PROLOGUE_NONE,
+                                 EPILOGUE_ROTARY, VARIANT_AUTO, s, &r);
 }

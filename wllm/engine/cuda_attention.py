@@ -2,9 +2,10 @@
 
 Each layer's `attend` writes the new keys and values into their slots with `reshape_and_cache`
 (slot -1 = a padding row, skipped); `attend_rotary` instead rotates q and k and writes k/v in one
-kernel (`rotary_and_cache`), saving a launch per layer. Either then runs `paged_decode_attention`
-when every sequence has exactly one new token, and `paged_prefill_attention` otherwise (it handles
-prefill chunks, prefix hits and decode tokens in one mixed batch). In a mixed batch whose first
+kernel (`rotary_and_cache`), saving a launch per layer; at decode batch sizes `qkv_rotary_attend`
+folds that into the qkv projection's skinny GEMM as well (`gemv_rotary_cache`). Each then runs
+`paged_decode_attention` when every sequence has exactly one new token, and `paged_prefill_attention`
+otherwise (it handles prefill chunks, prefix hits and decode tokens in one mixed batch). In a mixed batch whose first
 `num_decode_seqs` sequences have one new token each, those rows go to the decode kernel instead:
 the prefill kernel gives every query row a whole 64-128-row tensor-core tile, so a decode row
 inside it costs as much as a full prefill tile over its context (the throughput workload's mixed
@@ -18,13 +19,21 @@ Cache layout as in paged_attention.py: `[num_layers, 2, num_blocks, block_size, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from wllm.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache, rotary_and_cache
+from wllm.kernels.gemv import gated_output_fits, gemv_rotary_cache
 from wllm.kernels.ops import DECODE_HEAD_SIZES, PREFILL_HEAD_SIZES
 from wllm.model.layers.rotary import RotaryEmbedding
+
+# Decode steps of one or two rows run the qkv projection, the rotary embedding and the KV-cache write as
+# one kernel (`qkv_rotary_attend`): one launch and one kernel boundary per layer fewer on the batch-1
+# critical path. WLLM_FUSED_QKV_ROTARY=0 keeps them apart (A/B runs).
+FUSED_QKV_ROTARY = os.environ.get("WLLM_FUSED_QKV_ROTARY", "1") != "0"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -128,6 +137,31 @@ class CudaAttentionContext:
         key_cache, value_cache = self.caches[layer_idx]
         rotary_and_cache(positions, q, k, v, key_cache, value_cache, self.slot_mapping,
                          rotary.cos_sin_cache(positions.device), rotary.is_neox)
+        return self._attention(q, key_cache, value_cache, scale, sliding_window, logit_softcap)
+
+    def qkv_rotary_attend(
+        self,
+        layer_idx: int,
+        hidden: torch.Tensor,
+        qkv_proj: nn.Module,
+        positions: torch.Tensor,
+        rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        num_heads: int,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor | None:
+        """Decode steps whose qkv projection takes the skinny GEMM (1-2 rows): the projection of `hidden`
+        by `qkv_proj` (a Linear over [q | k | v] heads), the rotation and the KV write in one kernel
+        (`gemv_rotary_cache`), then attention [T, Hq, D]. None when that does not apply; the caller then
+        projects and calls `attend_rotary`."""
+        if not (FUSED_QKV_ROTARY and self.decode and type(rotary) is RotaryEmbedding
+                and qkv_proj.use_gemv(hidden) and gated_output_fits(qkv_proj.weight)):
+            return None
+        key_cache, value_cache = self.caches[layer_idx]
+        q = gemv_rotary_cache(hidden, qkv_proj.weight, qkv_proj.bias, positions, self.slot_mapping,
+                              rotary.cos_sin_cache(hidden.device), key_cache, value_cache, num_heads, rotary.is_neox)
         return self._attention(q, key_cache, value_cache, scale, sliding_window, logit_softcap)
 
     def _attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,

@@ -60,6 +60,9 @@ SIGNATURES: dict[str, list] = {
     # Skinny GEMM for decode (gemv.cu).
     "wllm_gemv": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64,
                   c_int, c_int, c_void_p],
+    "wllm_gemv_rotary_cache": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
+                               c_void_p, c_void_p, c_void_p, c_int64, c_int, c_void_p, c_void_p, c_int64, c_int, c_int,
+                               c_int, c_int, c_int64, c_int64, c_int64, c_int, c_int, c_void_p],
     # Programmatic Dependent Launch switch (returns the previous setting, not a status).
     "wllm_set_pdl": [c_int],
     # Tensor-core decode attention switch (returns the previous setting).

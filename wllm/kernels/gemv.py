@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from wllm.kernels import _lib, reference
-from wllm.kernels.ops import _is_compiling, _stream, act_and_mul
+from wllm.kernels.ops import _is_compiling, _stream, act_and_mul, rotary_and_cache
 
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 # Prologue codes of wllm_gemv: 0 = none, 1 = SiLU-and-mul, 2 = tanh-GELU-and-mul.
@@ -151,3 +151,62 @@ def gemv_variant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not x.is_cuda:
         return gemv(x, weight, bias, activation, output_activation)
     return _cuda_gemv(x, weight, bias, activation, VARIANTS[variant], output_activation)
+
+
+def gemv_rotary_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, num_heads: int, is_neox: bool) -> torch.Tensor:
+    """The qkv projection of decode rows with the rotary embedding and the KV-cache write fused in.
+
+    x [T, K]; weight [(num_heads + 2 * Hkv) * D, K] (q, k, v heads; bias likewise); caches
+    [num_blocks, block_size, Hkv, D]; positions and slot_mapping int64 [T] (slot -1 is skipped);
+    cos_sin_cache fp32 [max_position, rot_dim]. Returns q [T, num_heads, D], rotated; k (rotated) and v
+    go into the caches at the slots. The same values as gemv, split, then rotary_and_cache (the product
+    rounded to the dtype first). One kernel on CUDA for fp16/bf16 with 16-byte aligned weight rows (a few
+    rows: decode); otherwise those kernels in turn (the references off CUDA). Raises ValueError on bad
+    shapes or dtypes.
+    """
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("gemv_rotary_cache: caches must both be [num_blocks, block_size, Hkv, D] with the same "
+                         "strides")
+    _, _, num_kv_heads, head_size = key_cache.shape
+    rows = (num_heads + 2 * num_kv_heads) * head_size
+    if weight.dim() != 2 or weight.shape[0] != rows:
+        raise ValueError(f"gemv_rotary_cache: weight must have {rows} rows ({num_heads} + 2 * {num_kv_heads} heads "
+                         f"of {head_size}), got shape {tuple(weight.shape)}")
+    _check(x, weight, bias, None)
+    if x.dim() != 2:
+        raise ValueError(f"gemv_rotary_cache: x must be [T, in_features], got shape {tuple(x.shape)}")
+    num_tokens = x.shape[0]
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,) or \
+            positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"gemv_rotary_cache: positions and slot_mapping must be int64 [{num_tokens}]")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] > head_size or \
+            cos_sin_cache.shape[1] % 2:
+        raise ValueError(f"gemv_rotary_cache: cos_sin_cache must be float32 [max_position, even rot_dim <= "
+                         f"{head_size}]")
+    if key_cache.dtype != x.dtype or key_cache.device != x.device or key_cache.stride(-1) != 1:
+        raise ValueError("gemv_rotary_cache: the caches must be contiguous in their head dims, of x's dtype and "
+                         "device")
+    if not x.is_cuda or not gated_output_fits(weight):
+        qkv = _cuda_gemv(x, weight, bias, None) if x.is_cuda else reference.gemv(x, weight, bias)
+        q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
+        q = q.reshape(num_tokens, num_heads, head_size).contiguous()
+        rotary = rotary_and_cache if x.is_cuda else reference.rotary_and_cache
+        rotary(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox)
+        return q
+    q = torch.empty(num_tokens, num_heads, head_size, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return q
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    table = cos_sin_cache.contiguous()
+    lib = _lib.binding(x.device.index or 0)
+    lib.check(lib.wllm_gemv_rotary_cache(
+        q.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.contiguous().data_ptr() if bias is not None else None,
+        num_tokens, weight.shape[1], num_heads * head_size, x.stride(0) if num_tokens > 1 else weight.shape[1],
+        weight.stride(0), positions.contiguous().data_ptr(), slot_mapping.contiguous().data_ptr(), table.data_ptr(),
+        table.shape[0], table.shape[1], key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[0],
+        key_cache.shape[1], num_heads, num_kv_heads, head_size, key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2), int(is_neox), _DTYPES[x.dtype], _stream(x)), "gemv_rotary_cache")
+    return q

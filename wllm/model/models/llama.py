@@ -51,6 +51,13 @@ class DecoderAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         n = hidden.shape[0]
+        fused = getattr(ctx, "qkv_rotary_attend", None)
+        if fused is not None and self.q_norm is None:
+            # The context may project, rotate and write the cache in one kernel (CUDA decode steps).
+            out = fused(self.layer_idx, hidden, self.qkv_proj, positions, self.rotary, self.num_heads,
+                        scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.softcap)
+            if out is not None:
+                return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
