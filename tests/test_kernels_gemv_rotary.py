@@ -179,11 +179,14 @@ def test_in_a_graph_behind_the_norm_then_decode_attention(context: int) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused", [True, False])
-def test_decode_layer_takes_the_fused_path(fused: bool, monkeypatch) -> None:
-    """A bf16 Llama attention layer on a one-row decode step: with WLLM_FUSED_QKV_ROTARY on it runs
-    `gemv_rotary_cache` (no separate rotary_and_cache), off the old path; both give the same output and
-    cache up to bf16 rounding of the projection's sums."""
+@pytest.mark.parametrize("fused,max_bytes", [(True, None), (False, None), (True, 1 << 20)])
+def test_decode_layer_takes_the_fused_path(fused: bool, max_bytes: int | None, monkeypatch) -> None:
+    """A bf16 Llama attention layer (12 MB qkv) on a one-row decode step: with WLLM_FUSED_QKV_ROTARY on it
+    runs `gemv_rotary_cache` (no separate rotary_and_cache); off, or with a qkv weight above
+    FUSED_QKV_ROTARY_MAX_BYTES, the old path; all give the same output and cache up to bf16 rounding of
+    the projection's sums."""
+    if max_bytes is not None:
+        monkeypatch.setattr(cuda_attention, "FUSED_QKV_ROTARY_MAX_BYTES", max_bytes)
     from wllm.model.config import ModelConfig
     from wllm.model.layers import RotaryEmbedding
     from wllm.model.models.llama import DecoderAttention
@@ -212,7 +215,7 @@ def test_decode_layer_takes_the_fused_path(fused: bool, monkeypatch) -> None:
                                max_seq_len=(blocks - 1) * bs)
     hidden = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
     out = layer(positions, hidden, ctx)
-    assert calls == ([1] if fused else [])
+    assert calls == ([1] if fused and max_bytes is None else [])
     # The unfused path from first principles: projection, rotary, cache write, attention, o_proj.
     qkv = reference.gemv(hidden, layer.qkv_proj.weight)
     q, k, v = qkv.split([16 * 128, 4 * 128, 4 * 128], dim=-1)

@@ -31,9 +31,13 @@ from wllm.kernels.ops import DECODE_HEAD_SIZES, PREFILL_HEAD_SIZES
 from wllm.model.layers.rotary import RotaryEmbedding
 
 # Decode steps of one or two rows run the qkv projection, the rotary embedding and the KV-cache write as
-# one kernel (`qkv_rotary_attend`): one launch and one kernel boundary per layer fewer on the batch-1
-# critical path. WLLM_FUSED_QKV_ROTARY=0 keeps them apart (A/B runs).
+# one kernel (`qkv_rotary_attend`) when the qkv weight is at most FUSED_QKV_ROTARY_MAX_BYTES: one launch
+# and one kernel boundary per layer fewer on the batch-1 critical path. H200, `wllm bench latency`, two
+# A/B runs each (RESULTS.md, session 4): Qwen2.5-0.5B (2 MB qkv) 1,248-1,259 -> 1,269-1,271 tok/s; Llama-
+# 3.1-8B (50 MB) 225 -> 224, where the separate GEMV's register prefetch behind the norm hides more than
+# the boundary costs. WLLM_FUSED_QKV_ROTARY=0 keeps them apart everywhere (A/B runs).
 FUSED_QKV_ROTARY = os.environ.get("WLLM_FUSED_QKV_ROTARY", "1") != "0"
+FUSED_QKV_ROTARY_MAX_BYTES = 16 << 20
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -152,12 +156,14 @@ class CudaAttentionContext:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor | None:
-        """Decode steps whose qkv projection takes the skinny GEMM (1-2 rows): the projection of `hidden`
-        by `qkv_proj` (a Linear over [q | k | v] heads), the rotation and the KV write in one kernel
+        """Decode steps whose (small) qkv projection takes the skinny GEMM (1-2 rows): the projection of
+        `hidden` by `qkv_proj` (a Linear over [q | k | v] heads), the rotation and the KV write in one kernel
         (`gemv_rotary_cache`), then attention [T, Hq, D]. None when that does not apply; the caller then
         projects and calls `attend_rotary`."""
+        weight = qkv_proj.weight
         if not (FUSED_QKV_ROTARY and self.decode and type(rotary) is RotaryEmbedding
-                and qkv_proj.use_gemv(hidden) and gated_output_fits(qkv_proj.weight)):
+                and weight.numel() * weight.element_size() <= FUSED_QKV_ROTARY_MAX_BYTES
+                and qkv_proj.use_gemv(hidden) and gated_output_fits(weight)):
             return None
         key_cache, value_cache = self.caches[layer_idx]
         q = gemv_rotary_cache(hidden, qkv_proj.weight, qkv_proj.bias, positions, self.slot_mapping,
