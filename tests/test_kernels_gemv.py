@@ -7,6 +7,9 @@ strided and misaligned inputs, inside a CUDA graph, and the layers' skinny path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -325,6 +328,32 @@ def test_gemv_reg_prefetch_layouts(dtype, activation, layout, m) -> None:
                                reference.gemv(x, w, b, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
 
 
+def replays_behind_norm(x: torch.Tensor, kernels_after: Callable[[], Any], trials: int = 3):
+    """Capture (fused_add_rms_norm writing x in place, then `kernels_after()`) in a CUDA graph with PDL on;
+    yield (trial, outputs of kernels_after) after each replay with new x and residual, once the norm's
+    output is checked against the reference (x then holds it)."""
+    residual = torch.zeros_like(x)
+    norm_w = torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
+    previous = kernels.set_pdl(True)
+    try:
+        def step() -> Any:
+            kernels.fused_add_rms_norm(x, residual, norm_w, 1e-6)
+            return kernels_after()
+
+        graph, out = capture_graph(step)
+    finally:
+        kernels.set_pdl(previous)
+    for trial in range(trials):
+        x.copy_(torch.randn_like(x))
+        residual.copy_(torch.randn_like(residual))
+        want_x, want_res = x.clone(), residual.clone()
+        reference.fused_add_rms_norm(want_x, want_res, norm_w, 1e-6)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(x, want_x, rtol=2e-2, atol=2e-2)
+        yield trial, out
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("m,n,k", [(1, 9728, 896), (2, 1153, 904), (1, 4096, 14336), (2, 257, 14344),
@@ -334,25 +363,7 @@ def test_gemv_reg_prefetch_behind_writer_in_graph(activation, m, n, k) -> None:
     the weights this kernel loads before its PDL wait are constants, x is read only after it. Each replay
     with new inputs matches the reference computed from the norm's output."""
     x, w, b = make(m, n, k, torch.bfloat16, activation, True, device="cuda", seed=13)
-    residual = torch.zeros_like(x)
-    norm_w = torch.ones(x.shape[1], device="cuda", dtype=torch.bfloat16)
-    previous = kernels.set_pdl(True)
-    try:
-        def step() -> torch.Tensor:
-            kernels.fused_add_rms_norm(x, residual, norm_w, 1e-6)
-            return gemv_variant(x, w, b, activation, "reg_prefetch")
-
-        graph, out = capture_graph(step)
-    finally:
-        kernels.set_pdl(previous)
-    for trial in range(3):
-        x.copy_(torch.randn_like(x))
-        residual.copy_(torch.randn_like(residual))
-        want_x, want_res = x.clone(), residual.clone()
-        reference.fused_add_rms_norm(want_x, want_res, norm_w, 1e-6)
-        graph.replay()
-        torch.cuda.synchronize()
-        torch.testing.assert_close(x, want_x, rtol=2e-2, atol=2e-2)
+    for trial, out in replays_behind_norm(x, lambda: gemv_variant(x, w, b, activation, "reg_prefetch")):
         torch.testing.assert_close(out, reference.gemv(x, w, b, activation), rtol=2e-2, atol=2e-2,
                                    msg=lambda msg, t=trial: f"replay {t}: {msg}")
 
@@ -411,25 +422,12 @@ def test_gemv_gated_output_behind_writer_in_graph(m, n, k) -> None:
     PDL on behind the norm that writes x (the decode MLP): each replay matches the reference."""
     x, w, b = make(m, n, k, torch.bfloat16, None, False, device="cuda", seed=19)
     down = (torch.randn(k, n // 2, device="cuda") / (n // 2) ** 0.5).to(torch.bfloat16)
-    residual = torch.zeros_like(x)
-    norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    previous = kernels.set_pdl(True)
-    try:
-        def step() -> tuple[torch.Tensor, torch.Tensor]:
-            kernels.fused_add_rms_norm(x, residual, norm_w, 1e-6)
-            h = kernels.gemv(x, w, b, output_activation="silu")
-            return h, kernels.gemv(h, down)
 
-        graph, (h, out) = capture_graph(step)
-    finally:
-        kernels.set_pdl(previous)
-    for trial in range(3):
-        x.copy_(torch.randn_like(x))
-        residual.copy_(torch.randn_like(residual))
-        want_x, want_res = x.clone(), residual.clone()
-        reference.fused_add_rms_norm(want_x, want_res, norm_w, 1e-6)
-        graph.replay()
-        torch.cuda.synchronize()
+    def mlp() -> tuple[torch.Tensor, torch.Tensor]:
+        h = kernels.gemv(x, w, b, output_activation="silu")
+        return h, kernels.gemv(h, down)
+
+    for trial, (h, out) in replays_behind_norm(x, mlp):
         want_h = reference.gemv(x, w, b, None, "silu")
         torch.testing.assert_close(h, want_h, rtol=2e-2, atol=2e-2, msg=lambda msg, t=trial: f"replay {t}: {msg}")
         torch.testing.assert_close(out, reference.gemv(h, down), rtol=2e-2, atol=2e-2,
