@@ -233,11 +233,14 @@ class LLMEngine:
         except Exception as e:  # fail the requests of this step, keep serving the others
             logger.exception("engine step failed")
             # Nothing launched may still be reading host buffers when the next step writes them.
-            # The lookahead's sequences are this step's: they all fail below.
+            # The lookahead's sequences that are this step's fail below; those it admitted go back
+            # to the waiting queue, to be scheduled afresh.
             for launched in (handle, ahead[1] if ahead is not None else None):
                 if launched is not None:
                     with contextlib.suppress(Exception):
                         self.runner.release(launched)
+            if ahead is not None:
+                self.scheduler.cancel_lookahead(ahead[0])
             self.num_failed_steps += 1
             message = f"{type(e).__name__}: {e}"
             for group in self.scheduler.fail_step(sched_out, message):
@@ -275,6 +278,7 @@ class LLMEngine:
             # of it was queued must finish before the host rewrites the buffers it reads.
             logger.warning("launching a step ahead failed; it will run in turn", exc_info=True)
             self.runner.synchronize()
+            self.scheduler.cancel_lookahead(next_out)
             return None
         self.num_steps += 1
         self.num_lookahead_steps += 1
