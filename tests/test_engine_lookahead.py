@@ -503,3 +503,50 @@ def test_a_failing_mixed_step_ahead_fails_as_in_step(make, tmp_path_factory):
     # The engine serves on, with steps run ahead again.
     assert_same(engine.generate(prompts[:3], params), sync.generate(prompts[:3], params))
     assert_all_free(engine)
+
+
+def test_a_step_failing_on_the_device_gives_back_what_the_step_ahead_admitted(make):
+    # A device error surfaces when the host waits for step N, after step N + 1 was launched ahead and
+    # admitted prompts (with prefix-cache hits on blocks N completed). N's requests fail; those N + 1
+    # admitted go back to the queue (their hits may hold N's output) and run afresh, as in turn.
+    prompts = long_prompts(12, shared=16)
+    params = greedy(5, ignore_eos=True)
+    outs, cancelled, hits, logs = [], [], [], []
+    for async_on in (False, True):
+        engine = make(async_on, budget=48, seqs=8)
+        logs.append(record_steps(engine))
+        collect = engine.runner.collect
+        calls = []
+
+        def failing(handle, collect=collect, calls=calls):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("device error")
+            return collect(handle)
+
+        engine.runner.collect = failing
+        cancel = engine.scheduler.cancel_lookahead
+
+        def counted(out, cancel=cancel, scheduler=engine.scheduler):
+            if scheduler._ahead is not None and scheduler._ahead[0] is out:
+                cancelled.append(len(scheduler._ahead[1]))
+            cancel(out)
+
+        engine.scheduler.cancel_lookahead = counted
+        outs.append(engine.generate(prompts, params))
+        stats = engine.stats()
+        assert stats["num_failed_steps"] == 1
+        hits.append((stats["prefix_cache_queries"], stats["prefix_cache_hits"]))
+        assert_all_free(engine)
+    assert [seen(o) for o in outs[1]] == [seen(o) for o in outs[0]]
+    # Apart from the step launched ahead of the failed one (step 4, given up), the same steps: the
+    # prompts it admitted start afresh, missing the failed requests' blocks, as in turn.
+    assert_same_steps(logs[1][:3] + logs[1][4:], logs[0])
+    assert hits[1] == hits[0] and hits[0][1] > 0
+    assert [o.error for o in outs[1]] == [o.error for o in outs[0]]
+    failed = [o for o in outs[1] if o.error == "RuntimeError: device error"]
+    assert 0 < len(failed) < len(prompts)
+    assert cancelled and cancelled[0] > 0
+    fresh = make(False, budget=48, seqs=8).generate(prompts, params)
+    assert [seen(o) for o, e in zip(outs[1], fresh) if o.error is None] == \
+        [seen(e) for o, e in zip(outs[1], fresh) if o.error is None]
