@@ -256,7 +256,8 @@ class CudaStepRunner:
                 prev.inputs_done.synchronize()
         seqs = out.seqs
         num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
-        order = decode_first_order(seqs)
+        all_decode = num_decode == len(seqs)
+        order = decode_first_order(seqs) if 0 < num_decode < len(seqs) else None
         if order is not None:
             # Mixed step: single-token sequences first, so attention sends them to the decode
             # kernel (see CudaAttentionContext); results are keyed by sequence id, order is free.
@@ -271,10 +272,13 @@ class CudaStepRunner:
         owners: list[str] = []
         sample_hidden_rows: list[int] = []
         prompt_rows: list[int] = []
-        # Lookahead inputs: prev's rows and the token indices they feed; rows counted one ahead.
+        # Lookahead inputs: prev's rows and the token indices they feed. Steady decode: every
+        # sequence, one token each (token index = sequence index), without a per-sequence check.
         src_rows: list[int] = []
         dst_tokens: list[int] = []
-        ahead: list[int] = []
+        per_seq = prev_rows is not None
+        if per_seq and all_decode and min(prev_rows, default=-1) >= 0:
+            src_rows, dst_tokens, per_seq = prev_rows, list(range(len(seqs))), False
         t = 0
         one_token = True  # every sequence has one new token: the decode kernel serves the step
         graphable = True  # ... and samples once, without prompt logprobs: a graph can replay it
@@ -287,8 +291,7 @@ class CudaStepRunner:
             if s.prompt_logprob_targets:
                 first = t + s.prompt_logprob_start - s.start_pos
                 prompt_rows.extend(range(first, first + len(s.prompt_logprob_targets)))
-            pending_token = prev_rows is not None and prev_rows[i] >= 0
-            if pending_token:
+            if per_seq and prev_rows[i] >= 0:
                 src_rows.append(prev_rows[i])
                 dst_tokens.append(t)
             if s.num_samples:
@@ -297,10 +300,17 @@ class CudaStepRunner:
                     rows.append(s.sampling if k == 0 else _fork_row(s.sampling, k))
                     owners.append(s.seq_id)
                     sample_hidden_rows.append(t + n - 1)
-                    ahead.append(1 if pending_token else 0)
             t += n
         lookahead = (src_rows, dst_tokens) if prev_rows is not None else None
-        row_ahead: list[int] | int = ahead if src_rows else 0
+        # Sampling rows that count prev's token as an output already: those of the sequences fed by
+        # prev (one row each). Steady decode: all of them.
+        row_ahead: list[int] | int = 0
+        if src_rows:
+            if len(src_rows) == len(rows):
+                row_ahead = 1
+            else:
+                assert prev_rows is not None
+                row_ahead = [int(r >= 0) for s, r in zip(seqs, prev_rows) for _ in range(s.num_samples)]
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_seqs = len(seqs)
         on_cuda = self.device.type == "cuda"

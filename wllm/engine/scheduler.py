@@ -333,21 +333,31 @@ class Scheduler:
         """
         if self._pending_copies or self.swapped or not self.running:
             return None
-        # prev's sequences, and their sampling rows numbered as the runner lays them out.
+        # prev's sequences, and their sampling rows numbered as the runner lays them out
+        # (`decode_first_order`: single-token sequences first, then the others, each in order).
         in_prev: dict[str, tuple[int, ScheduledSeq]] = {}
-        order = decode_first_order(prev.seqs)
+        chunks: list[ScheduledSeq] = []
         row = 0
-        for sched in (prev.seqs if order is None else [prev.seqs[i] for i in order]):
+        for sched in prev.seqs:
+            if len(sched.token_ids) == 1:
+                in_prev[sched.seq_id] = (row, sched)
+                row += sched.num_samples
+            else:
+                chunks.append(sched)
+        for sched in chunks:
             in_prev[sched.seq_id] = (row, sched)
             row += sched.num_samples
         # Plan without changing anything: (sequence, computed tokens once prev is applied, tokens
         # this step, prev's row of its input token or -1), in `schedule()`'s order.
         budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
+        max_len = self.max_model_len
         num_running = 0
         ended: set[str] = set()
         plan: list[tuple[Sequence, int, int, int]] = []
         for seq in self.running:
-            computed, total, prev_row = seq.num_computed_tokens, seq.num_tokens, -1
+            computed, total, prev_row = seq.num_computed_tokens, len(seq.all_token_ids), -1
+            p = seq.group.params
             found = in_prev.get(seq.seq_id)
             if found is not None:
                 r, sched = found
@@ -355,9 +365,8 @@ class Scheduler:
                 if sched.num_samples:
                     if sched.num_samples > 1 or sched.sampling is not seq.sampling_row:
                         return None  # a fork: its children exist only once prev is applied
-                    p = seq.params
                     if (p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens) or \
-                            total + 1 >= self.max_model_len:
+                            total + 1 >= max_len:
                         ended.add(seq.seq_id)  # prev's token ends it ("length")
                         continue
                     total += 1
@@ -368,50 +377,55 @@ class Scheduler:
             num_new = min(total - computed, budget)
             if num_new <= 0:
                 continue
-            p = seq.params
             if prev_row < 0:
-                if seq.group.prompt_logprobs is not None and computed < seq.num_prompt_tokens:
+                if seq.group.prompt_logprobs is not None and computed < len(seq.prompt_token_ids):
                     return None  # which positions it reports depends on prev's prompt logprobs
             elif p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
                     p.presence_penalty != 0.0:
                 return None
             plan.append((seq, computed, num_new, prev_row))
             budget -= num_new
-        if budget > 0 and num_running < self.config.max_num_seqs and len(self.waiting):
+        may_admit = budget > 0 and num_running < max_seqs and len(self.waiting) > 0
+        if may_admit:
             # Every sequence the admission below could take (each takes at least one token).
-            for seq in self.waiting.first(min(self.config.max_num_seqs - num_running, budget)):
+            for seq in self.waiting.first(min(max_seqs - num_running, budget)):
                 if seq.seq_id in in_prev or seq.group.prompt_logprobs is not None:
                     return None
 
         # Apply what applying prev does to the pool, in prev's order: register the blocks it
-        # completes, free the blocks of the sequences its token ends by length. Safe before prev has
-        # run: one stream orders prev's reads and writes of those blocks before any later step's.
-        seqs = self.seqs
-        for sched in prev.seqs:
-            seq = seqs.get(sched.seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING or \
-                    (sched.sampling is not None and seq.sampling_row is not sched.sampling):
-                continue
-            self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(sched.token_ids))
-            if sched.seq_id in ended:
-                self.kv.free(seq)
-        for seq, computed, num_new, _ in plan:
-            if not self.kv.allocate_slots(seq, computed - seq.num_computed_tokens + num_new):
-                # schedule() would preempt. The slots given so far are the ones it gives too.
-                return None
-        admitted: list[tuple[Sequence, int, int]] = []
-        if budget > 0:
-            admitted, budget = self._admit_waiting(budget, num_running)
-
+        # completes (only admissions look them up; applying prev registers them otherwise, but not
+        # for a sequence whose blocks are freed here), free the blocks of the sequences its token
+        # ends by length. Safe before prev has run: one stream orders prev's reads and writes of
+        # those blocks before any later step's.
+        register = may_admit and self.kv.enable_caching
+        if register or ended:
+            seqs = self.seqs
+            for sched in prev.seqs:
+                seq = seqs.get(sched.seq_id)
+                if seq is None or seq.status is not SequenceStatus.RUNNING or \
+                        (sched.sampling is not None and seq.sampling_row is not sched.sampling):
+                    continue
+                end = sched.seq_id in ended
+                if register or end:
+                    self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(sched.token_ids))
+                if end:
+                    self.kv.free(seq)
         out: list[ScheduledSeq] = []
         prev_rows: list[int] = []
+        allocate = self.kv.allocate_slots
         for seq, computed, num_new, prev_row in plan:
+            if not allocate(seq, computed - seq.num_computed_tokens + num_new):
+                # schedule() would preempt. The slots given so far are the ones it gives too.
+                return None
             if prev_row >= 0:
                 # Token 0 stands in for prev's sample: the runner overwrites it on the device.
                 out.append(ScheduledSeq(seq.seq_id, [0], computed, seq.block_ids, 1, seq.sampling_row))
             else:
                 out.append(self._scheduled_seq(seq, num_new, computed))
             prev_rows.append(prev_row)
+        admitted: list[tuple[Sequence, int, int]] = []
+        if budget > 0:
+            admitted, budget = self._admit_waiting(budget, num_running)
         for seq, num_new, _ in admitted:
             out.append(self._scheduled_seq(seq, num_new))
             prev_rows.append(-1)
