@@ -160,11 +160,11 @@ WLLM_API int WLLM_FN(wllm_host_mapped)(const void* ptr);
 
 // A decode step's staging in one small kernel (one CTA) on `stream`: copies nbytes from src to dst
 // (either may be pinned host memory, see wllm_host_mapped; read uncached, written through), then, when
-// n > 0, sets input_ids[i] = prev_tokens[rows ? rows[i] : i] for i < n (prev_dtype 1: int64 ids, 2:
-// float64 ids; rows int64 on the device, may lie inside dst). For a few KB: larger transfers belong to the
-// copy engine.
+// n > 0, sets input_ids[t_i] = prev_tokens[r_i] for i < n, (t_i, r_i) = (pairs[i], pairs[n + i]) or (i, i)
+// when pairs is NULL (prev_dtype 1: int64 ids, 2: float64 ids; pairs int64 [2, n] on the device, may lie
+// inside dst). For a few KB: larger transfers belong to the copy engine.
 WLLM_API int WLLM_FN(wllm_stage_copy)(void* dst, const void* src, int64_t nbytes, int64_t* input_ids,
-                                      const void* prev_tokens, int prev_dtype, const int64_t* rows, int64_t n,
+                                      const void* prev_tokens, int prev_dtype, const int64_t* pairs, int64_t n,
                                       void* stream);
 
 // Bytes of fp32 workspace wllm_paged_decode_attention needs for these sizes (0 when it will not split).

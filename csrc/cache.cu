@@ -159,7 +159,8 @@ WLLM_API int WLLM_FN(wllm_copy_blocks)(const void* src, void* dst, const int64_t
 // that reads or writes pinned host memory in place (unified addressing), instead of a copy-engine
 // transfer. A copy-engine copy between two kernels leaves the GPU idle ~9 us on each side (measured at
 // batch 1 on an H200: graph -> D2H, D2H -> H2D, H2D -> the next kernel); a kernel follows a kernel ~1-2
-// us apart. The same kernel then writes a lookahead step's input ids from the previous step's samples.
+// us apart. The same kernel then writes a lookahead step's input ids from the previous step's samples
+// (input_ids[pairs[i]] = prev[pairs[n + i]]: token index, then the previous step's sampling row).
 // ---------------------------------------------------------------------------------------------------
 
 namespace WLLM_NS {
@@ -172,7 +173,7 @@ constexpr int kStageInFlight = 4;  // loads each thread issues before its first 
 // (__stwt: the host reads it after the step's event), whichever side is the host.
 __global__ void __launch_bounds__(kStageThreads) stage_copy_kernel(char* dst, const char* src, int64_t nbytes,
                                                                     int64_t* input_ids, const void* prev,
-                                                                    int prev_dtype, const int64_t* rows, int64_t n) {
+                                                                    int prev_dtype, const int64_t* pairs, int64_t n) {
   const bool vec = ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15u) == 0;
   const int64_t width = vec ? 16 : 1;
   const int64_t units = nbytes / width;
@@ -204,11 +205,12 @@ __global__ void __launch_bounds__(kStageThreads) stage_copy_kernel(char* dst, co
   }
   for (int64_t i = units * width + threadIdx.x; i < nbytes; i += blockDim.x) __stwt(dst + i, __ldcv(src + i));
   if (n > 0) {
-    // rows (when given) lie in dst, written above by this CTA: visible to every thread after the barrier.
+    // pairs (when given) may lie in dst, written above by this CTA: visible to every thread after the barrier.
     __syncthreads();
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      const int64_t r = rows != nullptr ? __ldcg(rows + i) : i;
-      input_ids[i] = prev_dtype == 2 ? static_cast<int64_t>(static_cast<const double*>(prev)[r])
+      const int64_t t = pairs != nullptr ? __ldcg(pairs + i) : i;
+      const int64_t r = pairs != nullptr ? __ldcg(pairs + n + i) : i;
+      input_ids[t] = prev_dtype == 2 ? static_cast<int64_t>(static_cast<const double*>(prev)[r])
                                      : static_cast<const int64_t*>(prev)[r];
     }
   }
@@ -228,7 +230,7 @@ WLLM_API int WLLM_FN(wllm_host_mapped)(const void* ptr) {
 }
 
 WLLM_API int WLLM_FN(wllm_stage_copy)(void* dst, const void* src, int64_t nbytes, int64_t* input_ids,
-                                      const void* prev_tokens, int prev_dtype, const int64_t* rows, int64_t n,
+                                      const void* prev_tokens, int prev_dtype, const int64_t* pairs, int64_t n,
                                       void* stream) {
   using namespace WLLM_NS;
   if (nbytes < 0 || n < 0 || prev_dtype < 0 || prev_dtype > 2 || (n > 0 && (prev_dtype == 0 || input_ids == nullptr ||
@@ -241,6 +243,6 @@ WLLM_API int WLLM_FN(wllm_stage_copy)(void* dst, const void* src, int64_t nbytes
   if (nbytes > 0 && (dst == nullptr || src == nullptr)) return fail(WLLM_ERR_INVALID_ARGUMENT, "stage_copy: null pointer");
   if (nbytes == 0 && n == 0) return WLLM_OK;
   stage_copy_kernel<<<1, kStageThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<char*>(dst), static_cast<const char*>(src), nbytes, input_ids, prev_tokens, prev_dtype, rows, n);
+      static_cast<char*>(dst), static_cast<const char*>(src), nbytes, input_ids, prev_tokens, prev_dtype, pairs, n);
   return check_launch("stage_copy");
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import tiny_hf_model
+from model_utils import VOCAB, tiny_hf_model
 from test_engine import CharTokenizer, assert_all_free, make_prompts, poisoned_forward, run_staggered, tiny
 from test_engine_cuda_path import ReplayedEagerly
 
@@ -109,10 +109,10 @@ def test_batch_one_runs_every_decode_step_ahead_and_wastes_none(make):
     engine = make(True)
     out = engine.generate([prompt], greedy(12))[0]
     assert_same([out], [ref])
-    # Step 1 is the prefill; step 2 is scheduled after it; steps 3..12 were each launched before
-    # the step before them had returned its token; no step past max_tokens was launched.
-    assert engine.num_steps == 12 and engine.num_lookahead_steps == 10
-    assert engine.runner.cuda_runner.num_lookahead_steps == 10
+    # Step 1 is the prefill; steps 2..12 were each launched before the step before them had
+    # returned its token (step 2 while the prefill ran); no step past max_tokens was launched.
+    assert engine.num_steps == 12 and engine.num_lookahead_steps == 11
+    assert engine.runner.cuda_runner.num_lookahead_steps == 11
     assert sync.num_lookahead_steps == 0 and sync.runner.cuda_runner.num_lookahead_steps == 0
     if make.kind != "cpu-eager":
         assert engine.runner.cuda_runner.num_graph_steps == 11
@@ -131,7 +131,7 @@ def test_eos_in_the_middle_of_a_lookahead(make):
     out = engine.generate([prompt], greedy(16))[0]
     assert_same([out], sync.generate([prompt], greedy(16)))
     assert out.outputs[0].token_ids == ref[:j + 1] and out.outputs[0].finish_reason == "stop"
-    assert engine.num_steps == j + 2 and engine.num_lookahead_steps == j  # step j + 2 ran for nothing
+    assert engine.num_steps == j + 2 and engine.num_lookahead_steps == j + 1  # step j + 2 ran for nothing
     assert_all_free(engine)
     # The dropped step is given up by the next call; the engine serves on unchanged.
     other = make_prompts()[6]
@@ -276,3 +276,279 @@ def test_the_pytorch_path_runs_in_step(tmp_path_factory):
     assert engine.config.async_scheduling and engine.runner.cuda_runner is None
     outs = engine.generate(make_prompts(2), greedy(6))
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs) and engine.num_lookahead_steps == 0
+
+
+# ------------------------------------------------------------------ mixed (prefill + decode) steps
+def long_prompts(n=24, length=40, seed=5, shared=0):
+    """`n` random prompts of `length` tokens; with `shared`, every one starts with the same `shared` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, VOCAB, (shared,), generator=gen).tolist()
+    return [prefix + torch.randint(3, VOCAB, (length - shared,), generator=gen).tolist() for _ in range(n)]
+
+
+def record_steps(engine):
+    """Log every step launched without an error as [(seq id, start position, tokens, samples, token ids
+    or None where the input token is the previous step's sample, still on the device)], in order."""
+    log = []
+    launch = engine.runner.launch
+
+    def logged(out, prev=None):
+        handle = launch(out, prev)
+        rows = out.prev_rows or [-1] * len(out.seqs)
+        log.append([(s.seq_id, s.start_pos, len(s.token_ids), s.num_samples,
+                     None if r >= 0 else tuple(s.token_ids)) for s, r in zip(out.seqs, rows)])
+        return handle
+
+    engine.runner.launch = logged
+    return log
+
+
+def assert_same_steps(ahead, in_turn):
+    """The same sequences, positions, token counts and samples in every step; the same token ids
+    wherever the host knew them when the step was launched. Comparable when every request is queued
+    before the first step (a step planned ahead is planned one `step()` call earlier, so it cannot
+    see a request added before the next call) and none ends by a token's value (EOS, stop: the step
+    planned ahead still holds its row, where the one planned in turn would give its room to others)."""
+    assert len(ahead) == len(in_turn)
+    for a, b in zip(ahead, in_turn):
+        assert [r[:4] for r in a] == [r[:4] for r in b]
+        assert all(x[4] is None or x[4] == y[4] for x, y in zip(a, b))
+
+
+def is_mixed(step):
+    return any(r[2] > 1 for r in step) and any(r[4] is None for r in step)
+
+
+def run_both(make, prompts, params, *, staggered=0, **options):
+    """Run a workload with async scheduling off and on: (outputs, step logs, engines), off first."""
+    outs, logs, engines = [], [], []
+    for async_on in (False, True):
+        engine = make(async_on, **options)
+        log = record_steps(engine)
+        outs.append(run_staggered(engine, prompts, params, per_step=staggered) if staggered
+                    else engine.generate(prompts, params))
+        assert_all_free(engine)
+        logs.append(log)
+        engines.append(engine)
+    return outs, logs, engines
+
+
+def test_prefill_heavy_workload_runs_its_mixed_steps_ahead(make):
+    # The throughput benchmark in miniature: prompts chunked under a small token budget and mixed
+    # with the decode rows of sequences whose prompts are done; greedy and seeded rows (whose random
+    # stream is keyed by the output position, counting the token still on the device).
+    prompts = long_prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=21, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=30, seed=22, max_tokens=9, ignore_eos=True)]
+    params = [params[i % 3] for i in range(len(prompts))]
+    (ref, out), (log_off, log_on), (sync, engine) = run_both(make, prompts, params, budget=96, seqs=16,
+                                                             eos=[7])
+    assert_same(out, ref)
+    assert_same_steps(log_on, log_off)
+    # Every step but the first was planned and launched while the step before it ran.
+    assert engine.num_lookahead_steps == engine.num_steps - 1 and sync.num_lookahead_steps == 0
+    assert sum(is_mixed(step) for step in log_on) >= 5
+    assert all(len(o.outputs[0].token_ids) == 9 for o in out)
+
+
+def test_staggered_arrivals_with_eos_and_min_tokens(make):
+    # Requests arrive between steps; EOS (forced by a bias) ends a request at the first position
+    # min_tokens allows it, which the EOS ban decides from the output count including the token
+    # still on the device.
+    prompts = long_prompts(18)
+    kinds = [SamplingParams(temperature=0.0, max_tokens=9, min_tokens=3, logit_bias={7: 50.0}),
+             SamplingParams(temperature=1.0, seed=21, max_tokens=9, min_tokens=5, logit_bias={7: 50.0}),
+             SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)]
+    params = [kinds[i % 3] for i in range(len(prompts))]
+    (ref, out), _, (_, engine) = run_both(make, prompts, params, staggered=3, budget=96, seqs=16, eos=[7])
+    assert_same(out, ref)
+    assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in out] == \
+        [((4, "stop"), (6, "stop"), (9, "length"))[i % 3] for i in range(len(prompts))]
+    assert engine.num_lookahead_steps > engine.num_steps // 2
+
+
+def test_eos_right_after_the_first_token(make):
+    prompts = long_prompts(16)
+    probe = make(False, budget=96).generate(prompts, greedy(6))
+    # EOS := the first token of a few requests: they end in the step that completes their prompt,
+    # while the step after it, which decodes them, already runs.
+    firsts = [o.outputs[0].token_ids[0] for o in probe]
+    eos = [max(set(firsts), key=firsts.count)]
+    (ref, out), _, (_, engine) = run_both(make, prompts, greedy(6), staggered=2, budget=96, eos=eos)
+    assert_same(out, ref)
+    ended = [o for o in out if o.outputs[0].token_ids == eos]
+    assert ended and all(o.outputs[0].finish_reason == "stop" for o in ended)
+    assert engine.num_lookahead_steps > 0
+
+
+def test_max_tokens_one_ends_in_the_step_that_completes_the_prompt(make):
+    # A one-token request ends by length with the token its prompt step samples, so the step after
+    # it leaves it out and its blocks are freed early; the schedules stay those of the engine in turn.
+    prompts = long_prompts(16)
+    params = [greedy(1) if i % 2 else greedy(5, ignore_eos=True) for i in range(16)]
+    (ref, out), (log_off, log_on), (_, engine) = run_both(make, prompts, params, budget=64, blocks=96, seqs=8)
+    assert_same(out, ref)
+    assert_same_steps(log_on, log_off)
+    assert all(len(o.outputs[0].token_ids) == 1 and o.outputs[0].finish_reason == "length" for o in out[1::2])
+    assert engine.num_lookahead_steps == engine.num_steps - 1
+
+
+def test_stop_strings_in_mixed_steps(make):
+    tok = CharTokenizer()
+    prompts = long_prompts(12)
+    probe = make(False, budget=64).generate(prompts, greedy(8))
+    # A stop string some requests produce right at the start, one others produce later.
+    stops = [tok.decode(probe[0].outputs[0].token_ids[:2]), tok.decode(probe[1].outputs[0].token_ids[3:5])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop=stops)
+    (ref, out), _, (_, engine) = run_both(make, prompts, params, staggered=2, budget=64, tokenizer=tok)
+    assert_same(out, ref)
+    assert [o.outputs[0].text for o in out] == [o.outputs[0].text for o in ref]
+    assert out[0].outputs[0].stop_reason == stops[0]
+    assert sum(o.outputs[0].finish_reason == "stop" for o in out) >= 2
+    assert engine.num_lookahead_steps > 0
+
+
+def test_abort_while_a_mixed_step_runs_ahead(make):
+    prompts = long_prompts(8)
+    params = greedy(8, ignore_eos=True)
+    expected = {str(i): o for i, o in enumerate(make(False, budget=64).generate(prompts, params))}
+    fresh = make(False, budget=64).generate([prompts[0]], params)[0]
+    engine = make(True, budget=64)
+    log = record_steps(engine)
+    for i in range(8):
+        engine.add_request(str(i), prompts[i], params)
+    final = {}
+    while not (engine._inflight is not None and is_mixed(log[-1])):
+        for out in engine.step():
+            final[out.request_id] = out
+    inflight = {r[0]: r for r in log[-1]}
+    chunked = next(i for i, r in inflight.items() if r[2] > 1)  # mid-prompt in the step in flight
+    decoding = next(i for i, r in inflight.items() if r[4] is None)  # its input is still on the device
+    for rid in (chunked, decoding):
+        aborted = engine.abort(rid)
+        assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
+    # The id is free again at once; the new request must not pick up the aborted one's results.
+    engine.add_request(chunked, prompts[0], params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    rest = [str(i) for i in range(8) if str(i) not in (chunked, decoding)]
+    assert_same([final[i] for i in rest], [expected[i] for i in rest])
+    assert seen(final[chunked]) == seen(fresh)
+    assert_all_free(engine)
+
+
+def test_prefix_caching_with_shared_prefixes(make):
+    # Prompts share 24 tokens, so a request admitted by a step planned ahead hits blocks that the step
+    # still running completes: the planner offers them to the cache first, as applying it would.
+    prompts = long_prompts(16, shared=24)
+    (ref, out), (log_off, log_on), engines = run_both(make, prompts, greedy(6, ignore_eos=True), budget=48,
+                                                      seqs=8)
+    assert_same(out, ref)
+    assert_same_steps(log_on, log_off)
+    hits = [e.stats()["prefix_cache_hits"] for e in engines]
+    assert hits[0] == hits[1] > 0
+    assert engines[1].num_lookahead_steps == engines[1].num_steps - 1
+
+
+@pytest.mark.parametrize("cpu_blocks", [64, 0])
+def test_mixed_steps_under_preemption_pressure(make, cpu_blocks):
+    # A pool too small for every admitted prompt: a step that would preempt is planned in turn.
+    prompts = long_prompts(12, length=24)
+    params = [greedy(8, ignore_eos=True) if i % 3 else SamplingParams(temperature=1.0, seed=i, max_tokens=8,
+                                                                      ignore_eos=True) for i in range(12)]
+    (ref, out), (log_off, log_on), engines = run_both(make, prompts, params, budget=32, blocks=40,
+                                                      cpu_blocks=cpu_blocks, seqs=8)
+    assert_same(out, ref)
+    assert_same_steps(log_on, log_off)
+    for engine in engines:
+        assert engine.stats()["num_preemptions"] > 0
+    assert 0 < engines[1].num_lookahead_steps < engines[1].num_steps - 1
+
+
+def test_n_and_logprobs_requests_mixed_in(make):
+    prompts = long_prompts(12, length=30)
+    kinds = [greedy(6, ignore_eos=True), SamplingParams(temperature=1.0, seed=31, max_tokens=6, n=2, ignore_eos=True),
+             greedy(6, ignore_eos=True, logprobs=2), greedy(5, ignore_eos=True, prompt_logprobs=1),
+             SamplingParams(temperature=1.0, seed=32, max_tokens=6, presence_penalty=0.5, ignore_eos=True)]
+    params = [kinds[i % len(kinds)] for i in range(12)]
+    (ref, out), (log_off, log_on), (_, engine) = run_both(make, prompts, params, budget=64)
+    assert_same(out, ref)
+    assert [o.prompt_logprobs for o in out] == [o.prompt_logprobs for o in ref]
+    assert_same_steps(log_on, log_off)
+    assert any(len(o.outputs) == 2 for o in out)
+    # Forks, logprobs on a token still on the device, and prompt logprobs plan the next step in turn.
+    assert 0 < engine.num_lookahead_steps < engine.num_steps - 1
+
+
+def test_a_failing_mixed_step_ahead_fails_as_in_step(make, tmp_path_factory):
+    if make.kind == "cuda":
+        pytest.skip("graph replays do not call the Python forward this test poisons")
+    model, _ = tiny("llama", tmp_path_factory)
+    prompts = long_prompts(10)
+    params = greedy(6, ignore_eos=True)
+    probe = make(False, budget=64).generate(prompts, params)
+    # A token one request samples that no prompt holds: the step that feeds it back to the model fails,
+    # while other prompts are still being admitted.
+    in_prompts = {t for p in prompts for t in p}
+    poison = next(t for t in probe[4].outputs[0].token_ids[1:] if t not in in_prompts)
+    with poisoned_forward(model, poison):
+        (ref, out), (log_off, log_on), (sync, engine) = run_both(make, prompts, params, budget=64)
+    # The step ahead that fails to launch runs again in turn and fails the same requests there; the
+    # prompts it had admitted go back to the queue and are admitted by the next step, as in turn.
+    assert_same_steps(log_on, log_off)
+    assert [seen(o) for o in out] == [seen(o) for o in ref] and [o.error for o in out] == [o.error for o in ref]
+    assert any(o.error == "RuntimeError: poisoned batch" for o in out)
+    assert sync.stats()["num_failed_steps"] == engine.stats()["num_failed_steps"] > 0
+    # The engine serves on, with steps run ahead again.
+    assert_same(engine.generate(prompts[:3], params), sync.generate(prompts[:3], params))
+    assert_all_free(engine)
+
+
+def test_a_step_failing_on_the_device_gives_back_what_the_step_ahead_admitted(make):
+    # A device error surfaces when the host waits for step N, after step N + 1 was launched ahead and
+    # admitted prompts (with prefix-cache hits on blocks N completed). N's requests fail; those N + 1
+    # admitted go back to the queue (their hits may hold N's output) and run afresh, as in turn.
+    prompts = long_prompts(12, shared=16)
+    params = greedy(5, ignore_eos=True)
+    outs, cancelled, hits, logs = [], [], [], []
+    for async_on in (False, True):
+        engine = make(async_on, budget=48, seqs=8)
+        logs.append(record_steps(engine))
+        collect = engine.runner.collect
+        calls = []
+
+        def failing(handle, collect=collect, calls=calls):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("device error")
+            return collect(handle)
+
+        engine.runner.collect = failing
+        cancel = engine.scheduler.cancel_lookahead
+
+        def counted(out, cancel=cancel, scheduler=engine.scheduler):
+            if scheduler._ahead is not None and scheduler._ahead[0] is out:
+                cancelled.append(len(scheduler._ahead[1]))
+            cancel(out)
+
+        engine.scheduler.cancel_lookahead = counted
+        outs.append(engine.generate(prompts, params))
+        stats = engine.stats()
+        assert stats["num_failed_steps"] == 1
+        hits.append((stats["prefix_cache_queries"], stats["prefix_cache_hits"]))
+        assert_all_free(engine)
+    assert [seen(o) for o in outs[1]] == [seen(o) for o in outs[0]]
+    # Apart from the step launched ahead of the failed one (step 4, given up), the same steps: the
+    # prompts it admitted start afresh, missing the failed requests' blocks, as in turn.
+    assert_same_steps(logs[1][:3] + logs[1][4:], logs[0])
+    assert hits[1] == hits[0] and hits[0][1] > 0
+    assert [o.error for o in outs[1]] == [o.error for o in outs[0]]
+    failed = [o for o in outs[1] if o.error == "RuntimeError: device error"]
+    assert 0 < len(failed) < len(prompts)
+    assert cancelled and cancelled[0] > 0
+    fresh = make(False, budget=48, seqs=8).generate(prompts, params)
+    assert [seen(o) for o, e in zip(outs[1], fresh) if o.error is None] == \
+        [seen(e) for o, e in zip(outs[1], fresh) if o.error is None]

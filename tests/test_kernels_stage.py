@@ -18,11 +18,11 @@ def test_reference_copies_bytes_then_writes_input_ids() -> None:
     src = torch.arange(64, dtype=torch.uint8)
     dst = torch.zeros(64, dtype=torch.uint8)
     ids = dst[:32].view(torch.int64)  # the input ids live inside the staged bytes, as in the runner
-    rows = torch.tensor([2, 0], dtype=torch.int64)
+    pairs = torch.tensor([3, 0, 2, 0], dtype=torch.int64)  # token 3 <- row 2, token 0 <- row 0
     prev = torch.tensor([7.0, 8.0, 9.0], dtype=torch.float64)
-    stage_copy(dst, src, ids, prev, rows, 2)
-    assert ids[:2].tolist() == [9, 7]
-    assert torch.equal(dst[16:], src[16:])
+    stage_copy(dst, src, ids, prev, pairs, 2)
+    assert ids[0].item() == 7 and ids[3].item() == 9
+    assert torch.equal(dst[8:24], src[8:24])
     stage_copy(dst, src)
     assert torch.equal(dst, src)
     reference.stage_copy(dst, src, ids, prev.long(), None, 3)
@@ -33,21 +33,21 @@ def test_reference_copies_bytes_then_writes_input_ids() -> None:
     ("sizes", "dst has 8 bytes, src 16"),
     ("ids_dtype", "int64 input_ids"),
     ("prev_dtype", "int64/float64 prev_tokens"),
-    ("short_rows", "at least n elements"),
+    ("short_pairs", "at least n elements"),
 ])
 def test_errors(case: str, match: str) -> None:
     dst, src = torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
-    ids, prev, rows = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), None
+    ids, prev, pairs = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64), None
     if case == "sizes":
         dst = dst[:8]
     elif case == "ids_dtype":
         ids = ids.int()
     elif case == "prev_dtype":
         prev = prev.float()
-    elif case == "short_rows":
-        rows = torch.zeros(1, dtype=torch.int64)
+    elif case == "short_pairs":
+        pairs = torch.zeros(5, dtype=torch.int64)
     with pytest.raises(ValueError, match=match):
-        stage_copy(dst, src, ids, prev, rows, 3)
+        stage_copy(dst, src, ids, prev, pairs, 3)
 
 
 @pytest.mark.cuda
@@ -64,7 +64,8 @@ def test_host_mapped() -> None:
 @pytest.mark.parametrize("gather", [False, True])
 def test_host_to_device_with_input_ids(nbytes: int, offset: int, prev_dtype: torch.dtype, gather: bool) -> None:
     """Pinned host bytes to the device at 16-byte aligned and misaligned offsets (the byte path), then the
-    input ids (the first bytes of dst, as in the runner) from the previous step's samples."""
+    input ids (the first bytes of dst, as in the runner) from the previous step's samples: identity, or
+    scattered (token, row) pairs staged inside the same bytes."""
     gen = torch.Generator().manual_seed(nbytes + offset)
     host = torch.randint(0, 256, (offset + nbytes,), dtype=torch.uint8, generator=gen).pin_memory()
     src = host[offset:]
@@ -73,19 +74,21 @@ def test_host_to_device_with_input_ids(nbytes: int, offset: int, prev_dtype: tor
     n = min(5, nbytes // 8) if offset % 8 == 0 else 0
     prev = torch.tensor([11, 22, 33, 44, 55, 66], dtype=prev_dtype, device="cuda")
     ids = dev[offset:offset + 8 * n].view(torch.int64) if n else None
-    rows = None
+    pairs = None
+    tokens, rows = list(range(n)), list(range(n))
+    if n and gather:  # the pairs lie inside dst too (after the ids), written by the same copy
+        need = 8 * n + 16 * n
+        if nbytes < need:
+            pytest.skip("too short for ids and pairs")
+        tokens, rows = list(reversed(range(n))), [4, 0, 5, 1, 2][:n]
+        host[offset + 8 * n:offset + need].view(torch.int64).copy_(torch.tensor(tokens + rows))
+        pairs = dev[offset + 8 * n:offset + need].view(torch.int64)
     want = src.clone().cuda()
     if n:
-        order = [4, 0, 5, 1, 2][:n] if gather else list(range(n))
-        if gather:  # the rows lie inside dst too (after the ids), written by the same copy
-            need = 8 * n + 8 * n
-            if nbytes < need:
-                pytest.skip("too short for ids and rows")
-            host[offset + 8 * n:offset + need].view(torch.int64).copy_(torch.tensor(order))
-            rows = dev[offset + 8 * n:offset + need].view(torch.int64)
-            want = src.clone().cuda()
-        want[:8 * n].view(torch.int64).copy_(prev.long()[order])
-    stage_copy(dst, src, ids, prev if n else None, rows, n)
+        want_ids = want[:8 * n].view(torch.int64)
+        for t, r in zip(tokens, rows):
+            want_ids[t] = int(prev[r])
+    stage_copy(dst, src, ids, prev if n else None, pairs, n)
     torch.cuda.synchronize()
     assert torch.equal(dst, want)
     assert dev[offset + nbytes:].eq(0).all()  # nothing written past the end

@@ -23,7 +23,7 @@ from wllm.engine.cuda_attention import CudaAttentionContext, layer_caches
 from wllm.engine.cuda_graphs import DecodeGraphs, GraphOutputs, graph_batch_sizes
 from wllm.engine.gpu_sampler import SamplingBuffers, StagedBuffer, logprob_matrix, step_logprobs_from_row
 from wllm.engine.sampler import SampledToken, SamplingRow
-from wllm.engine.scheduler import SchedulerOutput, SeqResult
+from wllm.engine.scheduler import SchedulerOutput, SeqResult, decode_first_order
 from wllm.kernels import decode_workspace_size, sample
 from wllm.kernels.ops import host_mapped, stage_copy
 
@@ -63,17 +63,13 @@ class StageLayout:
         """Start the step's single host-to-device copy (asynchronous from pinned memory)."""
         self._dev.copy_(self._host, non_blocking=True)
 
-    def stage(self, prev_tokens: torch.Tensor | None = None, rows: list[int] | None = None) -> None:
+    def stage(self, prev_tokens: torch.Tensor | None = None, pairs: torch.Tensor | None = None, n: int = 0) -> None:
         """The upload as one small kernel reading the pinned bytes in place (`kernels.stage_copy`), which
         then also writes a lookahead step's input ids from `prev_tokens` (the previous step's samples on
-        the device) at `rows` (identity when None)."""
-        n = len(rows) if rows is not None else 0
-        identity = rows is None or rows == list(range(n))
-        if n and not identity:
-            self.np["prev_rows"][:n] = rows
-        prev_rows = None if identity else self.dev["prev_rows"]
+        the device): input_ids[pairs[i]] = prev_tokens[pairs[n + i]] for i < n ((i, i) when pairs is None;
+        pairs are the staged `prev_rows`, already written into the host bytes)."""
         prev = prev_tokens.contiguous() if n and prev_tokens is not None else None
-        stage_copy(self._dev, self._host, self.dev["input_ids"], prev, prev_rows, n)
+        stage_copy(self._dev, self._host, self.dev["input_ids"], prev, pairs, n)
 
 
 class PackedStage:
@@ -116,7 +112,7 @@ class StepInputs:
                 ("slots", torch.int64, (tokens,)), ("seq_lens", torch.int32, (seqs,)),
                 ("query_start", torch.int32, (seqs + 1,)), ("params_f32", torch.float32, (rows, 6)),
                 ("params_i64", torch.int64, (rows, 3)), ("block_tables", torch.int32, (seqs, self.max_blocks)),
-                ("prev_rows", torch.int64, (seqs,)))
+                ("prev_rows", torch.int64, (2 * seqs,)))
 
     def layout(self, tokens: int, seqs: int, rows: int) -> StageLayout:
         """The layout of a step of `tokens` tokens, `seqs` sequences and `rows` staged sampling rows."""
@@ -264,14 +260,14 @@ class CudaStepRunner:
         return without waiting for the device; `collect` waits and returns the results.
 
         A lookahead step (`out.prev_rows` set) is launched while `prev`, the step before it, may
-        still run: its input tokens are prev's sampled tokens, copied on the device before the
-        forward, and its sampling rows count prev's token as an output already.
+        still run: the input token of each sequence with a row in `prev_rows` is prev's sample of
+        that row, copied on the device before the forward, and its sampling row counts that token
+        as an output already. Its other sequences (prompt chunks) have their tokens on the host.
         """
-        ahead = 0
-        if out.prev_rows is not None:
+        prev_rows = out.prev_rows
+        if prev_rows is not None:
             if prev is None:
                 raise ValueError("a lookahead step needs the step before it")
-            ahead = 1
             if prev.inputs_done is not None:
                 # The host is about to rewrite the pinned staging buffers prev was uploaded from.
                 # prev's uploads are the first work queued after the step before it, which the host
@@ -279,21 +275,33 @@ class CudaStepRunner:
                 prev.inputs_done.synchronize()
         seqs = out.seqs
         num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
-        if 0 < num_decode < len(seqs):
+        all_decode = num_decode == len(seqs)
+        order = decode_first_order(seqs) if 0 < num_decode < len(seqs) else None
+        if order is not None:
             # Mixed step: single-token sequences first, so attention sends them to the decode
             # kernel (see CudaAttentionContext); results are keyed by sequence id, order is free.
-            seqs = [s for s in seqs if len(s.token_ids) == 1] + [s for s in seqs if len(s.token_ids) != 1]
-            out = msgspec.structs.replace(out, seqs=seqs)
+            # The scheduler numbers a step's sampling rows in this order too (lookahead inputs).
+            seqs = [seqs[i] for i in order]
+            if prev_rows is not None:
+                prev_rows = [prev_rows[i] for i in order]
+            out = msgspec.structs.replace(out, seqs=seqs, prev_rows=prev_rows)
         else:
             num_decode = 0
         rows: list[SamplingRow] = []
         owners: list[str] = []
         sample_hidden_rows: list[int] = []
         prompt_rows: list[int] = []
+        # Lookahead inputs: prev's rows and the token indices they feed. Steady decode: every
+        # sequence, one token each (token index = sequence index), without a per-sequence check.
+        src_rows: list[int] = []
+        dst_tokens: list[int] = []
+        per_seq = prev_rows is not None
+        if per_seq and all_decode and min(prev_rows, default=-1) >= 0:
+            src_rows, dst_tokens, per_seq = prev_rows, list(range(len(seqs))), False
         t = 0
         one_token = True  # every sequence has one new token: the decode kernel serves the step
         graphable = True  # ... and samples once, without prompt logprobs: a graph can replay it
-        for s in seqs:
+        for i, s in enumerate(seqs):
             n = len(s.token_ids)
             if n != 1:
                 one_token = graphable = False
@@ -302,6 +310,9 @@ class CudaStepRunner:
             if s.prompt_logprob_targets:
                 first = t + s.prompt_logprob_start - s.start_pos
                 prompt_rows.extend(range(first, first + len(s.prompt_logprob_targets)))
+            if per_seq and prev_rows[i] >= 0:
+                src_rows.append(prev_rows[i])
+                dst_tokens.append(t)
             if s.num_samples:
                 assert s.sampling is not None
                 for k in range(s.num_samples):
@@ -309,6 +320,16 @@ class CudaStepRunner:
                     owners.append(s.seq_id)
                     sample_hidden_rows.append(t + n - 1)
             t += n
+        lookahead = (src_rows, dst_tokens) if prev_rows is not None else None
+        # Sampling rows that count prev's token as an output already: those of the sequences fed by
+        # prev (one row each). Steady decode: all of them.
+        row_ahead: list[int] | int = 0
+        if src_rows:
+            if len(src_rows) == len(rows):
+                row_ahead = 1
+            else:
+                assert prev_rows is not None
+                row_ahead = [int(r >= 0) for s, r in zip(seqs, prev_rows) for _ in range(s.num_samples)]
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_seqs = len(seqs)
         on_cuda = self.device.type == "cuda"
@@ -321,12 +342,12 @@ class CudaStepRunner:
         padded = self.graphs.padded_size(num_seqs) if graphable and not want_logprobs else None
         if padded is not None:
             layout = self.inputs.layout(padded, padded, padded)
-            sampling, static = self.sampling.pack(rows, padded, full_csr=True, stage=_stage(layout), ahead=ahead)
+            sampling, static = self.sampling.pack(rows, padded, full_csr=True, stage=_stage(layout), ahead=row_ahead)
             if not static:
                 padded = None
         if padded is not None:
             self.inputs.fill(layout, out, self.block_size, padded, padded)
-            self._upload(layout, out, prev, pending, parity)
+            self._upload(layout, lookahead, prev, pending, parity)
             packed = self.graphs.replay(padded)
             self.num_graph_steps += 1
             # The step's one device-to-host copy: ids and logprobs in one fp64 matrix.
@@ -345,11 +366,24 @@ class CudaStepRunner:
             num_rows = len(rows)
             staged = num_rows <= self.inputs.max_rows
             layout = self.inputs.layout(t, num_seqs, num_rows if staged else 0)
-            sampling, _ = self.sampling.pack(rows, stage=_stage(layout) if staged else None, ahead=ahead)
+            sampling, _ = self.sampling.pack(rows, stage=_stage(layout) if staged else None, ahead=row_ahead)
             longest = self.inputs.fill(layout, out, self.block_size, num_seqs, t)
-            self._upload(layout, out, prev, pending, parity)
+            logit_rows = prompt_rows + sample_hidden_rows
+            logit_index: torch.Tensor | None = None  # None: every token's hidden state
+            staged_rows = 0
+            if logit_rows != list(range(t)):
+                if len(logit_rows) <= self.inputs.logit_rows.np.shape[0]:
+                    # Uploaded with the step's inputs, before `inputs_done`: the next step may
+                    # rewrite this pinned buffer as soon as that event has passed.
+                    self.inputs.logit_rows.np[:len(logit_rows)] = logit_rows
+                    staged_rows = len(logit_rows)
+                else:
+                    logit_index = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            self._upload(layout, lookahead, prev, pending, parity, staged_rows)
+            if staged_rows:
+                logit_index = self.inputs.logit_rows.dev[:staged_rows]
             tokens, logprobs, prompt_mat, sample_mat = self._eager(layout, out, t, one_token, longest, sampling,
-                                                                   rows, prompt_rows, sample_hidden_rows,
+                                                                   rows, prompt_rows, logit_index,
                                                                    want_logprobs, num_decode)
             self.num_eager_steps += 1
             # Token ids, their logprobs and the logprob matrices come back in the step's one sync.
@@ -365,49 +399,57 @@ class CudaStepRunner:
             pending.host_prompt = prompt_mat.to("cpu", non_blocking=True) if prompt_mat is not None else None
             pending.host_sample = sample_mat.to("cpu", non_blocking=True) if sample_mat is not None else None
             pending.device_tokens = tokens
-        if ahead:
+        if prev_rows is not None:
             self.num_lookahead_steps += 1
         if on_cuda:
             pending.done = self._events[parity][1]
             pending.done.record(torch.cuda.current_stream(self.device))
         return pending
 
-    def _upload(self, layout: StageLayout, out: SchedulerOutput, prev: PendingStep | None,
-                pending: PendingStep, parity: int) -> None:
-        """Send the staged inputs; for a lookahead step, then overwrite its input tokens with the
-        previous step's samples on the device (stream order: after prev's sampling, before this
-        step's forward). Records when the pinned buffers are free to be rewritten."""
-        rows = out.prev_rows
-        if rows is not None:
+    def _upload(self, layout: StageLayout, lookahead: tuple[list[int], list[int]] | None, prev: PendingStep | None,
+                pending: PendingStep, parity: int, logit_rows: int = 0) -> None:
+        """Send the staged inputs (and the first `logit_rows` staged logit rows); for a lookahead
+        step (`lookahead`: prev's sampling rows and the token indices they feed), then overwrite
+        those input tokens with prev's samples on the device (stream order: after prev's sampling,
+        before this step's forward). Records when the pinned buffers are free to be rewritten."""
+        n = 0
+        identity = True
+        if lookahead is not None:
+            src, dst = lookahead
+            n = len(src)
+            # Steady decode: every sequence takes prev's row of the same index.
+            identity = src == dst == list(range(n))
+            if n and not identity:
+                staged = layout.np["prev_rows"]
+                staged[:n] = dst
+                staged[n:2 * n] = src
+        if n:
             assert prev is not None and prev.device_tokens is not None
-        if self._zero_copy and layout.nbytes <= STAGE_KERNEL_MAX_BYTES:
-            layout.stage(prev.device_tokens if rows is not None else None, rows)
-            pending.inputs_done = self._events[parity][0]
-            pending.inputs_done.record(torch.cuda.current_stream(self.device))
-            return
-        if rows is not None:
-            n = len(rows)
-            identity = rows == list(range(n))
-            if not identity:
-                layout.np["prev_rows"][:n] = rows
-        layout.upload()
+        kernel = self._zero_copy and layout.nbytes <= STAGE_KERNEL_MAX_BYTES
+        if kernel:
+            # One small kernel: the staged bytes read in place, then the lookahead input ids.
+            layout.stage(prev.device_tokens if n else None, None if identity else layout.dev["prev_rows"], n)
+        else:
+            layout.upload()
+        if logit_rows:
+            self.inputs.logit_rows.upload(logit_rows)
         if self.device.type == "cuda":
             pending.inputs_done = self._events[parity][0]
             pending.inputs_done.record(torch.cuda.current_stream(self.device))
-        if rows is not None:
-            assert prev is not None and prev.device_tokens is not None
-            dst = layout.dev["input_ids"][:n]
+        if n and not kernel:
+            ids = layout.dev["input_ids"]
             if identity:
-                dst.copy_(prev.device_tokens[:n])
+                ids[:n].copy_(prev.device_tokens[:n])
             else:
-                dst.copy_(prev.device_tokens.index_select(0, layout.dev["prev_rows"][:n]))
+                index = layout.dev["prev_rows"]
+                ids.index_copy_(0, index[:n], prev.device_tokens.index_select(0, index[n:2 * n]).to(ids.dtype))
 
     def release(self, pending: PendingStep) -> None:
         """Give up a launched step whose results nobody needs. Wait only until the host may rewrite
         the pinned buffers it was uploaded from; its device work runs on, ahead of whatever is
         launched later on the same stream, and its result buffer is not the next step's."""
-        # A lookahead step (pure decode) uploads nothing after `inputs_done`; an eager step with
-        # prompt rows does, so for any other step wait for all of it.
+        # A lookahead step reads no reused pinned buffer after `inputs_done` (logit rows go up
+        # before it; prompt-logprob steps never run ahead); for any other step wait for all of it.
         event = pending.inputs_done if pending.out.prev_rows is not None else pending.done
         if event is not None:
             event.synchronize()
@@ -428,9 +470,10 @@ class CudaStepRunner:
 
     def _eager(self, layout: StageLayout, out: SchedulerOutput, num_tokens: int, decode: bool, longest: int,
                sampling: dict[str, torch.Tensor | None], rows: list[SamplingRow], prompt_rows: list[int],
-               sample_hidden_rows: list[int], want_logprobs: list[int], num_decode: int = 0,
+               logit_index: torch.Tensor | None, want_logprobs: list[int], num_decode: int = 0,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        inp = self.inputs
+        """The eager forward and sampling; `logit_index`: the token rows to compute logits for (prompt
+        rows, then sampled rows) on the device, None for every token."""
         num_seqs = len(out.seqs)
         workspace = None
         if decode and self.workspace is not None:
@@ -443,15 +486,7 @@ class CudaStepRunner:
                                    decode=decode, max_seq_len=max(longest, 1), workspace=workspace,
                                    num_decode_seqs=num_decode)
         hidden = self.model(d["input_ids"], d["positions"], ctx)
-        logit_rows = prompt_rows + sample_hidden_rows
-        if logit_rows == list(range(num_tokens)):
-            logits = self.model.compute_logits(hidden)
-        elif len(logit_rows) <= inp.logit_rows.np.shape[0]:
-            inp.logit_rows.np[:len(logit_rows)] = logit_rows
-            logits = self.model.compute_logits(hidden.index_select(0, inp.logit_rows.upload(len(logit_rows))))
-        else:
-            index = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
+        logits = self.model.compute_logits(hidden if logit_index is None else hidden.index_select(0, logit_index))
         num_prompt = len(prompt_rows)
         prompt_mat = None
         if num_prompt:

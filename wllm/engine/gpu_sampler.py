@@ -79,17 +79,18 @@ class SamplingBuffers:
         }
 
     def pack(self, rows: Seq[SamplingRow], padded: int | None = None, *, full_csr: bool = False,
-             stage: tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor] | None = None, ahead: int = 0,
+             stage: tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor] | None = None,
+             ahead: int | Seq[int] = 0,
              ) -> tuple[dict[str, torch.Tensor | None], bool]:
         """Write `rows` (plus greedy padding rows up to `padded`) and copy them to the device.
 
         With `stage` (host f32 [>=padded, 6], host i64 [>=padded, 3], their device views) the per-row
         parameters go there instead, and the caller uploads them with the rest of its step inputs.
 
-        `ahead` output tokens are counted on top of each row's `output_token_ids`: a lookahead step
-        samples the position after a token the host has not seen yet (its random stream and
-        min_tokens depend on the count only; rows with penalties, which need the values, are never
-        packed ahead).
+        `ahead` output tokens are counted on top of each row's `output_token_ids` (a sequence: per
+        row): a lookahead step samples the position after a token the host has not seen yet (its
+        random stream and min_tokens depend on the count only; rows with penalties, which need the
+        values, are never packed ahead).
 
         Returns (kwargs for `wllm.kernels.sample`, static). With `full_csr` the CSR arguments are
         always the full-capacity buffers (graph replay); otherwise they are trimmed, or None when

@@ -109,11 +109,16 @@ class KVCacheManager:
         self.prefix_queries += num_query_tokens
         self.prefix_hits += num_hit_tokens
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Offer the sequence's blocks whose slots are all computed to the prefix cache."""
+    def cache_computed_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
+        """Offer the sequence's blocks whose slots are all computed to the prefix cache.
+        `num_computed` (default: the sequence's own count) lets the scheduler register, before a
+        launched step is applied, the blocks that step completes (see `Scheduler.schedule_lookahead`);
+        their token ids are on the host already."""
         if not self.enable_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.blocks))
+        if num_computed is None:
+            num_computed = seq.num_computed_tokens
+        num_full = min(num_computed // self.block_size, len(seq.blocks))
         if num_full <= seq.num_registered_blocks:
             return
         self._update_hashes(seq)
@@ -133,6 +138,16 @@ class KVCacheManager:
         """Drop the sequence's blocks from the prefix cache (their content may be wrong after a
         failed step)."""
         for block in seq.blocks:
+            if block.block_hash is not None and self.pool.cached.get(block.block_hash) is block:
+                del self.pool.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+    def uncache_ids(self, block_ids: list[int]) -> None:
+        """Drop the blocks with these ids from the prefix cache, whoever holds them now (the blocks a
+        failed step wrote, including those of a sequence that already gave them back)."""
+        for i in block_ids:
+            block = self.pool.blocks[i]
             if block.block_hash is not None and self.pool.cached.get(block.block_hash) is block:
                 del self.pool.cached[block.block_hash]
             block.block_hash = None

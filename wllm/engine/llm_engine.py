@@ -3,28 +3,39 @@
 One step = schedule -> run the model -> append sampled tokens -> detokenize and check stop
 strings -> cumulative `RequestOutput`s for every request that changed.
 
-Async scheduling (one-step lookahead, `EngineConfig.async_scheduling`, kernel path only). In
-steady decode the host work of a step (wait for the tokens, append them, detokenize, check stops,
-build outputs, schedule, stage the inputs, launch the graph) is a large part of the GPU's step
-time; done in sequence, the GPU idles through all of it. So `step()` works one step ahead:
+Async scheduling (one-step lookahead, `EngineConfig.async_scheduling`, kernel path only). The host
+work of a step (wait for the tokens, append them, detokenize, check stops, build outputs, schedule,
+stage the inputs, launch the forward) is a large part of a decode step's GPU time and tens of ms
+around a prefill step's; done in sequence, the GPU idles through all of it. So `step()` works one
+step ahead:
 
     launch N (or find it in flight) -> plan and launch N+1 -> wait for N -> process N's tokens
 
-N+1 is planned before N's tokens are known (`Scheduler.schedule_lookahead`): only when N decoded
-every running sequence and the next step would decode the same sequences again (nothing to admit,
-swap or copy, blocks available without preempting, no logprobs, no penalties). Its positions,
-slots, block tables and context lengths are N's advanced by one; its sampling rows count N's token
-(the random stream is keyed by the output position, so seeded results are the same as in step);
-its input token ids are N's samples, copied on the device in stream order before N+1's forward.
-Sequences that N's token ends by length are left out of N+1. Those that N ends by value (EOS, a
-stop token or string) or that are aborted while N+1 runs simply have N+1's result ignored, and
-their blocks are freed at once. That is safe: there is one stream, so whatever a later step
-writes into a freed block lands after N+1 is done with it; and N+1 writes only the slot of the
-position after N's token, in a block the prefix cache does not hold (a block is hashed and shared
-only once the host has processed every slot of it), so it is private and nobody reads that slot.
-When the conditions fail, the step runs as before (launch, wait, process, schedule next call).
-The runner keeps two host result buffers, alternating between consecutive steps, and waits for a
-step's uploads before rewriting the pinned staging buffers for the step after it.
+N+1 is planned before N's tokens are known (`Scheduler.schedule_lookahead`), as the step that
+`schedule()` would return once N is applied, taking every sequence to go on: one that N samples for
+(a decode row, or a prompt N completes) decodes one token, its input token being N's sample, copied
+on the device in stream order before N+1's forward; one whose prompt N only partly computed takes its
+next chunk (ids known on the host); waiting requests are admitted as `schedule()` admits them, in
+order, under the same budget, `max_num_seqs` and block rules. To make that exact, the planner does
+first what applying N does to the pool: it registers the blocks N completes in the prefix cache
+(their token ids are on the host) and frees the blocks of sequences that N's token ends by length
+(those are left out of N+1). So pure decode, prefill and mixed steps all run ahead, and with every
+request queued up front and no value-based ends the steps are the ones planned in turn. It runs in
+turn instead when it cannot be exact: block copies pending or sequences swapped out, N forks (n > 1),
+a sequence would need preempting, a decode row wants logprobs or penalties, a prompt chunk wants
+prompt logprobs, or a waiting request that could be admitted reuses the id of one in N.
+N+1's sampling rows count N's token (the random stream is keyed by the output position, so seeded
+results are the same as in turn). Sequences that N ends by value (EOS, a stop token or string) or
+that are aborted while N+1 runs simply have N+1's result ignored, and their blocks are freed at once.
+Freeing early is safe: there is one stream, so whatever a later step writes into a freed block lands
+after N and N+1 are done with it; and N+1 writes only slots past what N computed, in blocks the
+prefix cache does not hold (a block is offered to the cache only once every slot of it is computed),
+so they are private and nobody else reads them. If N+1's launch fails, or N fails on the device
+after N+1 was launched, the requests N+1 admitted go back to the front of the queue
+(`Scheduler.cancel_lookahead`) and are scheduled afresh. When the conditions fail, the step runs as
+before (launch, wait, process, schedule next call). The runner keeps two host result buffers,
+alternating between consecutive steps, and waits for a step's uploads (logit rows included) before
+rewriting the pinned staging buffers for the step after it.
 """
 
 from __future__ import annotations
@@ -233,11 +244,14 @@ class LLMEngine:
         except Exception as e:  # fail the requests of this step, keep serving the others
             logger.exception("engine step failed")
             # Nothing launched may still be reading host buffers when the next step writes them.
-            # The lookahead's sequences are this step's: they all fail below.
+            # The lookahead's sequences that are this step's fail below; those it admitted go back
+            # to the waiting queue, to be scheduled afresh.
             for launched in (handle, ahead[1] if ahead is not None else None):
                 if launched is not None:
                     with contextlib.suppress(Exception):
                         self.runner.release(launched)
+            if ahead is not None:
+                self.scheduler.cancel_lookahead(ahead[0])
             self.num_failed_steps += 1
             message = f"{type(e).__name__}: {e}"
             for group in self.scheduler.fail_step(sched_out, message):
@@ -275,6 +289,7 @@ class LLMEngine:
             # of it was queued must finish before the host rewrites the buffers it reads.
             logger.warning("launching a step ahead failed; it will run in turn", exc_info=True)
             self.runner.synchronize()
+            self.scheduler.cancel_lookahead(next_out)
             return None
         self.num_steps += 1
         self.num_lookahead_steps += 1

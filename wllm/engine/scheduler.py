@@ -43,14 +43,25 @@ class SchedulerOutput(msgspec.Struct):
     blocks_to_swap_out: list[tuple[int, int]]  # (GPU block, CPU block), done second
     blocks_to_swap_in: list[tuple[int, int]]  # (CPU block, GPU block), done third
     num_batched_tokens: int
-    # A lookahead step (`Scheduler.schedule_lookahead`): per sequence, the sampling row of the
-    # previous step whose token, still on the device, is this sequence's input token. None: every
-    # input token is in `token_ids`.
+    # A lookahead step (`Scheduler.schedule_lookahead`), launched before the previous step's results
+    # reached the host: per sequence, the sampling row of the previous step (rows numbered in
+    # `decode_first` order) whose token, still on the device, is this sequence's one input token, or
+    # -1 where the input tokens are in `token_ids`. None: a step planned after the previous one.
     prev_rows: list[int] | None = None
 
     @property
     def is_empty(self) -> bool:
         return not (self.seqs or self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+def decode_first_order(seqs: list[ScheduledSeq]) -> list[int] | None:
+    """The order in which the runner lays out a step's sequences (and so numbers its sampling rows):
+    single-token sequences first, then prompt chunks, each group in scheduled order, so attention
+    sends the first group to the decode kernel. None when that is the scheduled order already."""
+    single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+    if not single or len(single) == len(seqs):
+        return None
+    return single + [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
 
 
 class SeqResult(msgspec.Struct):
@@ -98,6 +109,12 @@ class WaitingQueue:
             return iter([e[3] for e in sorted(self._heap)])
         return iter(self._fifo)
 
+    def first(self, n: int) -> list[Sequence]:
+        """The next `n` sequences `pop` would return, in that order."""
+        if self.policy == "priority":
+            return [e[3] for e in heapq.nsmallest(n, self._heap)]
+        return list(itertools.islice(self._fifo, n))
+
 
 class Scheduler:
     """Owns sequence state, the KV cache manager and the CPU swap pool's block ids."""
@@ -125,6 +142,9 @@ class Scheduler:
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # The last lookahead step and the waiting sequences it admitted (with their prefix-cache
+        # hits), so that `cancel_lookahead` can put them back if that step never runs.
+        self._ahead: tuple[SchedulerOutput, list[tuple[Sequence, int]]] | None = None
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputation included)
@@ -259,84 +279,185 @@ class Scheduler:
                     budget -= num_new
 
         if not swap_out and not self.swapped:
-            while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting.peek()
-                hits, num_hit = self.kv.get_computed_blocks(seq)
-                num_new = min(seq.num_tokens - num_hit, budget)
-                if not self.kv.allocate_slots(seq, num_new, hits):
-                    break
-                self.waiting.pop()
-                self.kv.record_lookup(seq.num_tokens, num_hit)
-                if seq.num_cached_tokens < 0:
-                    seq.num_cached_tokens = num_hit
-                if seq.group.metrics.first_scheduled_time is None:
-                    seq.group.metrics.first_scheduled_time = time.monotonic()
-                seq.num_computed_tokens = num_hit
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+            admitted, budget = self._admit_waiting(budget, len(self.running))
+            for seq, num_new, _ in admitted:
                 scheduled[seq.seq_id] = (seq, num_new)
-                budget -= num_new
 
         out = [self._scheduled_seq(seq, n) for seq, n in scheduled.values()]
         return SchedulerOutput(out, copies, swap_out, swap_in, self.config.max_num_batched_tokens - budget)
+
+    def _admit_waiting(self, budget: int, num_running: int) -> tuple[list[tuple[Sequence, int, int]], int]:
+        """Admit waiting sequences in queue order while the budget, `max_num_seqs` (`num_running`
+        sequences run already) and the pool allow, each with a chunk of its prompt that fits the
+        budget after its prefix-cache hits. Returns [(sequence, tokens this step, hit tokens)] and
+        the budget left."""
+        admitted: list[tuple[Sequence, int, int]] = []
+        while len(self.waiting) and budget > 0 and num_running < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            hits, num_hit = self.kv.get_computed_blocks(seq)
+            num_new = min(seq.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(seq, num_new, hits):
+                break
+            self.waiting.pop()
+            self.kv.record_lookup(seq.num_tokens, num_hit)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_hit
+            if seq.group.metrics.first_scheduled_time is None:
+                seq.group.metrics.first_scheduled_time = time.monotonic()
+            seq.num_computed_tokens = num_hit
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            num_running += 1
+            admitted.append((seq, num_new, num_hit))
+            budget -= num_new
+        return admitted, budget
 
     def schedule_lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
         """The step that `schedule()` would return once `prev` (launched, not yet applied) is
         applied, if it is known without prev's sampled token values; else None.
 
-        That is the case when prev decoded every running sequence (one token, one sample each) and
-        the next step decodes the same sequences again: nothing waits for a free sequence slot,
-        nothing is swapped out, no block copies are pending, the pool has the blocks without
-        preempting, and no sequence has logprobs or penalties (whose inputs depend on token values
-        or need the host). Sequences that prev's token finishes by length are left out; those that
-        finish by value (EOS, stop token or string, abort) are in it and their result is dropped.
-        The returned step's input tokens are prev's samples, copied on the device (`prev_rows`);
-        its sampling rows count one more output token than the host has seen yet.
+        Every sequence is taken to go on after prev: one that prev samples for (a decode row, or a
+        prompt prev completes) decodes one token, its input token being prev's sample, still on the
+        device (`prev_rows`); one whose prompt prev only partly computed takes its next chunk; then
+        waiting sequences are admitted exactly as `schedule()` admits them. Sequences that prev's
+        token ends by length are left out (their blocks are freed now, as applying prev would free
+        them); those that prev ends by value (EOS, stop token or string) or that are aborted
+        meanwhile are in it, and their result is dropped. The blocks prev completes are offered to
+        the prefix cache now, as applying prev would, so admissions see the same hits.
+
+        None (the step is planned by `schedule()` after prev is applied) when that cannot be exact
+        or safe: block copies pending or sequences swapped out, prev forks a sequence (n > 1), a
+        sequence would need preempting, a decode row wants logprobs or penalties (its inputs need
+        prev's token value), a sequence wants prompt logprobs, or a waiting sequence that could be
+        admitted reuses the id of one in prev (an aborted request's id, taken again).
         """
         if self._pending_copies or self.swapped or not self.running:
             return None
-        row_of: dict[str, tuple[int, ScheduledSeq]] = {}
+        # prev's sequences, and their sampling rows numbered as the runner lays them out
+        # (`decode_first_order`: single-token sequences first, then the others, each in order).
+        in_prev: dict[str, tuple[int, ScheduledSeq]] = {}
+        chunks: list[ScheduledSeq] = []
         row = 0
         for sched in prev.seqs:
-            row_of[sched.seq_id] = (row, sched)
+            if len(sched.token_ids) == 1:
+                in_prev[sched.seq_id] = (row, sched)
+                row += sched.num_samples
+            else:
+                chunks.append(sched)
+        for sched in chunks:
+            in_prev[sched.seq_id] = (row, sched)
             row += sched.num_samples
-        keep: list[tuple[Sequence, int]] = []
-        need = 0
-        bs = self.block_size
+        # Plan without changing anything: (sequence, computed tokens once prev is applied, tokens
+        # this step, prev's row of its input token or -1), in `schedule()`'s order.
+        budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
+        max_len = self.max_model_len
+        num_running = 0
+        ended: set[str] = set()
+        plan: list[tuple[Sequence, int, int, int]] = []
         for seq in self.running:
-            found = row_of.get(seq.seq_id)
-            if found is None:
-                return None  # a running sequence prev did not decode (token budget, a new arrival)
-            r, sched = found
-            if len(sched.token_ids) != 1 or sched.num_samples != 1 or sched.prompt_logprob_targets or \
-                    sched.sampling is not seq.sampling_row:
-                return None
-            p = seq.params
-            if p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
+            computed, total, prev_row = seq.num_computed_tokens, len(seq.all_token_ids), -1
+            p = seq.group.params
+            found = in_prev.get(seq.seq_id)
+            if found is not None:
+                r, sched = found
+                computed += len(sched.token_ids)
+                if sched.num_samples:
+                    if sched.num_samples > 1 or sched.sampling is not seq.sampling_row:
+                        return None  # a fork: its children exist only once prev is applied
+                    if (p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens) or \
+                            total + 1 >= max_len:
+                        ended.add(seq.seq_id)  # prev's token ends it ("length")
+                        continue
+                    total += 1
+                    prev_row = r
+            num_running += 1
+            if budget <= 0:
+                continue
+            num_new = min(total - computed, budget)
+            if num_new <= 0:
+                continue
+            if prev_row < 0:
+                if seq.group.prompt_logprobs is not None and computed < len(seq.prompt_token_ids):
+                    return None  # which positions it reports depends on prev's prompt logprobs
+            elif p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
                     p.presence_penalty != 0.0:
                 return None
-            if (p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens) or \
-                    seq.num_tokens + 1 >= self.max_model_len:
-                continue  # prev's token ends it ("length"): no next step for it
-            keep.append((seq, r))
-            # Slots up to the position after prev's token: prev computes num_computed_tokens.
-            need += max(0, cdiv(seq.num_computed_tokens + 2, bs) - len(seq.blocks))
-        if not keep:
-            return None
-        if len(self.waiting) and len(keep) < self.config.max_num_seqs:
-            return None  # schedule() could admit a waiting request next step: let it
-        if need > self.kv.num_free_blocks:
-            return None  # schedule() would preempt
-        seqs: list[ScheduledSeq] = []
-        for seq, _ in keep:
-            self.kv.allocate_slots(seq, 2)
-            # Token 0 stands in for prev's sample: the runner overwrites it on the device.
-            seqs.append(ScheduledSeq(seq.seq_id, [0], seq.num_computed_tokens + 1, seq.block_ids,
-                                     1, seq.sampling_row))
-        return SchedulerOutput(seqs, [], [], [], len(seqs), prev_rows=[r for _, r in keep])
+            plan.append((seq, computed, num_new, prev_row))
+            budget -= num_new
+        may_admit = budget > 0 and num_running < max_seqs and len(self.waiting) > 0
+        if may_admit:
+            # Every sequence the admission below could take (each takes at least one token).
+            for seq in self.waiting.first(min(max_seqs - num_running, budget)):
+                if seq.seq_id in in_prev or seq.group.prompt_logprobs is not None:
+                    return None
 
-    def _scheduled_seq(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        start = seq.num_computed_tokens
+        # Apply what applying prev does to the pool, in prev's order: register the blocks it
+        # completes (only admissions look them up; applying prev registers them otherwise, but not
+        # for a sequence whose blocks are freed here), free the blocks of the sequences its token
+        # ends by length. Safe before prev has run: one stream orders prev's reads and writes of
+        # those blocks before any later step's.
+        register = may_admit and self.kv.enable_caching
+        if register or ended:
+            seqs = self.seqs
+            for sched in prev.seqs:
+                seq = seqs.get(sched.seq_id)
+                if seq is None or seq.status is not SequenceStatus.RUNNING or \
+                        (sched.sampling is not None and seq.sampling_row is not sched.sampling):
+                    continue
+                end = sched.seq_id in ended
+                if register or end:
+                    self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(sched.token_ids))
+                if end:
+                    self.kv.free(seq)
+        out: list[ScheduledSeq] = []
+        prev_rows: list[int] = []
+        allocate = self.kv.allocate_slots
+        for seq, computed, num_new, prev_row in plan:
+            if not allocate(seq, computed - seq.num_computed_tokens + num_new):
+                # schedule() would preempt. The slots given so far are the ones it gives too.
+                return None
+            if prev_row >= 0:
+                # Token 0 stands in for prev's sample: the runner overwrites it on the device.
+                out.append(ScheduledSeq(seq.seq_id, [0], computed, seq.block_ids, 1, seq.sampling_row))
+            else:
+                out.append(self._scheduled_seq(seq, num_new, computed))
+            prev_rows.append(prev_row)
+        admitted: list[tuple[Sequence, int, int]] = []
+        if budget > 0:
+            admitted, budget = self._admit_waiting(budget, num_running)
+        for seq, num_new, _ in admitted:
+            out.append(self._scheduled_seq(seq, num_new))
+            prev_rows.append(-1)
+        if not out:
+            return None
+        next_out = SchedulerOutput(out, [], [], [], self.config.max_num_batched_tokens - budget,
+                                   prev_rows=prev_rows)
+        self._ahead = (next_out, [(seq, num_hit) for seq, _, num_hit in admitted])
+        return next_out
+
+    def cancel_lookahead(self, out: SchedulerOutput) -> None:
+        """A lookahead step will not run (its launch failed, or the step before it failed): put the
+        sequences it admitted back at the front of the waiting queue, as if never admitted. The
+        slots it gave running sequences stay theirs; `schedule()` finds them allocated."""
+        if self._ahead is None or self._ahead[0] is not out:
+            return
+        _, admitted = self._ahead
+        self._ahead = None
+        for seq, num_hit in reversed(admitted):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # failed or aborted with its request since
+            self.running.remove(seq)
+            self.kv.free(seq)
+            self.kv.record_lookup(-seq.num_tokens, -num_hit)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.push(seq, front=True)
+
+    def _scheduled_seq(self, seq: Sequence, num_new: int, start: int | None = None) -> ScheduledSeq:
+        """`num_new` tokens of `seq` from position `start` (default: its computed tokens)."""
+        if start is None:
+            start = seq.num_computed_tokens
         end = start + num_new
         num_samples = 0
         if end == seq.num_tokens:
@@ -367,6 +488,8 @@ class Scheduler:
         """Advance sequences by the step's results; returns sequences that got a new token."""
         changed: list[Sequence] = []
         now = time.monotonic()
+        if self._ahead is not None and self._ahead[0] is out:
+            self._ahead = None
         for sched in out.seqs:
             seq = self.seqs.get(sched.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
@@ -444,9 +567,14 @@ class Scheduler:
         """A step raised: finish every request it touched with an error and drop their cached
         blocks, whose content may be partial."""
         failed: dict[str, RequestGroup] = {}
+        bs = self.block_size
         for sched in out.seqs:
+            # The blocks the step wrote, by id: a sequence the step ends by length may have given
+            # them back already (`schedule_lookahead`), registered in the prefix cache.
+            self.kv.uncache_ids(sched.block_ids[sched.start_pos // bs:cdiv(sched.start_pos + len(sched.token_ids), bs)])
             seq = self.seqs.get(sched.seq_id)
-            if seq is None or (sched.sampling is not None and seq.sampling_row is not sched.sampling):
+            if seq is None or seq.status is not SequenceStatus.RUNNING or \
+                    (sched.sampling is not None and seq.sampling_row is not sched.sampling):
                 continue  # gone, or its id already reused by a new request
             failed[seq.group.request_id] = seq.group
         for group in failed.values():

@@ -557,12 +557,13 @@ _PREV_DTYPES = {torch.int64: 1, torch.float64: 2}
 
 
 def stage_copy(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor | None = None,
-               prev_tokens: torch.Tensor | None = None, rows: torch.Tensor | None = None, n: int = 0) -> None:
+               prev_tokens: torch.Tensor | None = None, pairs: torch.Tensor | None = None, n: int = 0) -> None:
     """A decode step's staging in one small kernel on the current stream: dst's bytes = src's bytes (one of
     them may be pinned host memory that `host_mapped` accepts: the kernel reads or writes it in place,
-    no copy-engine transfer), then input_ids[i] = prev_tokens[rows[i] (or i)] for i < n (int64 or
-    float64 token ids of the previous step, on the device; rows int64, may lie inside dst). Meant for a
-    few KB. Off CUDA it is `reference.stage_copy`. Raises ValueError on mismatched sizes or dtypes."""
+    no copy-engine transfer), then input_ids[pairs[i]] = prev_tokens[pairs[n + i]] for i < n (token index,
+    then the previous step's row; (i, i) when pairs is None), prev_tokens being the int64 or float64
+    token ids of the previous step on the device and pairs int64 (it may lie inside dst). Meant for a few
+    KB. Off CUDA it is `reference.stage_copy`. Raises ValueError on mismatched sizes or dtypes."""
     if dst.numel() * dst.element_size() != src.numel() * src.element_size():
         raise ValueError(f"stage_copy: dst has {dst.numel() * dst.element_size()} bytes, src "
                          f"{src.numel() * src.element_size()}")
@@ -570,21 +571,22 @@ def stage_copy(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor | N
         raise ValueError("stage_copy: dst and src must be contiguous")
     if n:
         if input_ids is None or prev_tokens is None or input_ids.dtype != torch.int64 or \
-                prev_tokens.dtype not in _PREV_DTYPES or input_ids.numel() < n or \
-                (rows is not None and (rows.dtype != torch.int64 or rows.numel() < n)):
-            raise ValueError("stage_copy: n > 0 needs int64 input_ids and rows and int64/float64 prev_tokens "
-                             "with at least n elements")
+                prev_tokens.dtype not in _PREV_DTYPES or \
+                (pairs is None and (input_ids.numel() < n or prev_tokens.numel() < n)) or \
+                (pairs is not None and (pairs.dtype != torch.int64 or pairs.numel() < 2 * n)):
+            raise ValueError("stage_copy: n > 0 needs int64 input_ids, int64/float64 prev_tokens and int64 pairs "
+                             "with at least n elements (2 * n pairs)")
         if not (input_ids.is_contiguous() and prev_tokens.is_contiguous()):
             raise ValueError("stage_copy: input_ids and prev_tokens must be contiguous")
     device = dst.device if dst.is_cuda else src.device
     if device.type != "cuda":
-        reference.stage_copy(dst, src, input_ids, prev_tokens, rows, n)
+        reference.stage_copy(dst, src, input_ids, prev_tokens, pairs, n)
         return
     lib = _lib.binding(device.index or 0)
     lib.check(lib.wllm_stage_copy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size(),
                                   input_ids.data_ptr() if n else None, prev_tokens.data_ptr() if n else None,
                                   _PREV_DTYPES[prev_tokens.dtype] if n else 0,
-                                  rows.data_ptr() if n and rows is not None else None, n,
+                                  pairs.data_ptr() if n and pairs is not None else None, n,
                                   torch.cuda.current_stream(device).cuda_stream),
               "stage_copy")
 

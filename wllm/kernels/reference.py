@@ -142,12 +142,18 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor, block
 
 
 def stage_copy(dst: torch.Tensor, src: torch.Tensor, input_ids: torch.Tensor | None = None,
-               prev_tokens: torch.Tensor | None = None, rows: torch.Tensor | None = None, n: int = 0) -> None:
-    """dst (bytes) = src (bytes); then input_ids[i] = prev_tokens[rows[i] if rows is given else i] for i < n."""
+               prev_tokens: torch.Tensor | None = None, pairs: torch.Tensor | None = None, n: int = 0) -> None:
+    """dst (bytes) = src (bytes); then input_ids[pairs[i]] = prev_tokens[pairs[n + i]] for i < n ((i, i)
+    when pairs is None)."""
     dst.view(torch.uint8).copy_(src.view(torch.uint8))
     if n:
-        index = rows[:n].long() if rows is not None else torch.arange(n, device=prev_tokens.device)
-        input_ids[:n] = prev_tokens.index_select(0, index.to(prev_tokens.device)).to(input_ids.dtype)
+        if pairs is None:
+            index = torch.arange(n, device=input_ids.device)
+            rows = index.to(prev_tokens.device)
+        else:
+            flat = pairs.reshape(-1)
+            index, rows = flat[:n].long().to(input_ids.device), flat[n:2 * n].long().to(prev_tokens.device)
+        input_ids.index_copy_(0, index, prev_tokens.index_select(0, rows).to(input_ids.device, input_ids.dtype))
 
 
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -142,18 +142,19 @@ class SamplingLists:
     pen_cnt: list[int]
 
 
-def sampling_lists(rows: Sequence, vocab_size: int | None = None, ahead: int = 0) -> SamplingLists:
+def sampling_lists(rows: Sequence, vocab_size: int | None = None, ahead: int | Sequence = 0) -> SamplingLists:
     """Engine rows (objects with params: SamplingParams, seed, index, prompt_token_ids, output_token_ids,
     eos_token_ids) as kernel inputs, with the CPU sampler's semantics: logit_bias plus -inf bans of EOS /
     stop tokens until min_tokens outputs exist, penalties over prompt and output tokens, random stream
     keyed by (seed, index) and counted by the output position. `vocab_size` drops bias entries outside
-    the vocabulary. `ahead` output tokens are counted on top of each row's list (a lookahead step samples
-    after a token the host has not seen; only its count matters, so rows with penalties, which need its
-    value, must not be packed ahead)."""
+    the vocabulary. `ahead` output tokens are counted on top of each row's list, or with a sequence
+    `ahead[i]` on top of row i's (a lookahead step samples after a token the host has not seen; only its
+    count matters, so rows with penalties, which need its value, must not be packed ahead)."""
     out = SamplingLists([], [], [0], [], [], [0], [], [])
-    for row in rows:
+    per_row = not isinstance(ahead, int)
+    for i, row in enumerate(rows):
         p = row.params
-        n_out = len(row.output_token_ids) + ahead
+        n_out = len(row.output_token_ids) + (ahead[i] if per_row else ahead)
         out.f32.append((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
                         p.presence_penalty))
         out.i64.append((max(p.top_k, 0), sequence_seed(row.seed, row.index), n_out))
@@ -178,7 +179,7 @@ def sampling_lists(rows: Sequence, vocab_size: int | None = None, ahead: int = 0
 
 
 def pack_sampling_rows(rows: Sequence, device: torch.device | str = "cpu", vocab_size: int | None = None,
-                       ahead: int = 0) -> dict[str, torch.Tensor | None]:
+                       ahead: int | Sequence = 0) -> dict[str, torch.Tensor | None]:
     """Keyword arguments of `sample` for engine rows, as one-off tensors on `device` (see
     `sampling_lists` for the semantics and the arguments)."""
     lists = sampling_lists(rows, vocab_size, ahead)
