@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import time
 from collections import deque
 
@@ -21,6 +22,10 @@ from wllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from wllm.engine.request import QueueFullError, RequestGroup, Sequence, SequenceStatus
 from wllm.engine.sampler import SampledToken, SamplingRow
 from wllm.outputs import StepLogprobs
+
+# WLLM_MIXED_LOOKAHEAD=0 plans ahead only pure decode steps that admit nothing (as before mixed steps ran
+# ahead), for A/B runs of `schedule_lookahead`.
+MIXED_LOOKAHEAD = os.environ.get("WLLM_MIXED_LOOKAHEAD", "1") != "0"
 
 
 class ScheduledSeq(msgspec.Struct):
@@ -344,6 +349,8 @@ class Scheduler:
                 row += sched.num_samples
             else:
                 chunks.append(sched)
+        if not MIXED_LOOKAHEAD and (chunks or self.waiting):
+            return None
         for sched in chunks:
             in_prev[sched.seq_id] = (row, sched)
             row += sched.num_samples
