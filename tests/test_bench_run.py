@@ -93,6 +93,8 @@ def test_throughput_skip_hf(tiny_shape: Path, tmp_path: Path) -> None:
     assert r.details["output_tok_s"] == pytest.approx(6 * 5 / r.wllm)
     assert r.floor == pytest.approx(max(r.details["floor_compute_s"], r.details["floor_bandwidth_s"]))
     assert r.details["hf_requests"] is None
+    runs = r.details["runs_s"]  # one batch per run, the median reported
+    assert len(runs) == meta["workload"]["runs"] and r.wllm == pytest.approx(sorted(runs)[len(runs) // 2])
 
 
 def test_latency_with_hf_baseline(tiny_shape: Path, tmp_path: Path) -> None:

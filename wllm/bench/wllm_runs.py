@@ -147,8 +147,9 @@ def wllm_prefill(llm: Any, prompts: PromptSource, prompt_len: int, runs: int, wa
 
 
 def wllm_throughput(llm: Any, prompts: PromptSource, num_requests: int, prompt_len: int, output_len: int,
-                    warmup: int) -> float:
-    """Wall seconds for all requests submitted at once, after warm-up batches of a few requests."""
+                    warmup: int, runs: int = 1) -> list[float]:
+    """Wall seconds for all requests submitted at once (new random prompts each time), one per run,
+    after warm-up batches of a few requests."""
     for _ in range(warmup):
         timed_generate(llm, prompts.take(min(num_requests, 8), prompt_len), min(output_len, 4))
-    return timed_generate(llm, prompts.take(num_requests, prompt_len), output_len)
+    return [timed_generate(llm, prompts.take(num_requests, prompt_len), output_len) for _ in range(max(runs, 1))]
