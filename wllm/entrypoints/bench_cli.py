@@ -25,7 +25,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "prefill": {"shapes": ["llama-3.1-8b"], "prompt_len": 512, "output_len": 1, "num_requests": 1,
                 "runs": 5, "warmup": 2},
     "throughput": {"shapes": ["qwen2.5-0.5b", "llama-3.1-8b"], "prompt_len": 512, "output_len": 128,
-                   "num_requests": 256, "runs": 1, "warmup": 1},
+                   "num_requests": 256, "runs": 3, "warmup": 1},
 }
 _HELP = {
     "latency": "batch-1 decode tok/s (128-token prompt, 256 new tokens, EOS ignored)",
