@@ -65,20 +65,22 @@ def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool) 
 
     if record:
         torch.cuda.Stream.synchronize = timed_sync
+    # A step() call processes one step, planned by schedule() in that call or by schedule_lookahead() in
+    # the call before (it ran ahead): its kind is read from the step update_from_output applies.
     sched = engine.scheduler
-    schedule = sched.schedule
+    update = sched.update_from_output
     last: list = [None]
 
-    def spy():  # noqa: ANN202
-        out = schedule()
+    def spy(out, results):  # noqa: ANN001, ANN202
         last[0] = out
-        return out
+        return update(out, results)
 
-    sched.schedule = spy
+    sched.update_from_output = spy
     _sync()
     start = time.perf_counter()
     try:
         while engine.has_unfinished():
+            last[0] = None
             t0 = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t0
@@ -92,7 +94,7 @@ def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool) 
         _sync()
     finally:
         torch.cuda.Stream.synchronize = orig
-        sched.schedule = schedule
+        del sched.update_from_output  # the instance attribute shadowed the method
     wall = time.perf_counter() - start
     return wall, {"kinds": kinds, "tokens": tokens, "seqs": seqs, "sync_wait": sync_wait[0]}
 
