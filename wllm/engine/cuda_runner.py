@@ -220,15 +220,11 @@ class CudaStepRunner:
                                           device=index) for b in sizes] + [0])
         # Zero-filled once: decode attention keeps its split-merge tickets there and leaves them zero.
         self.workspace = torch.zeros((need + 3) // 4, dtype=torch.float32, device=self.device) if need else None
-        # A graph step's results come back as fp64 [2, B] (ids, logprobs): one pinned buffer per parity for
-        # the largest size, allocated here (pinning memory while serving can stall the host for ms), and
-        # whether the result kernel may write it in place.
-        largest = graph_batch_sizes(max_num_seqs)[-1]
-        self._host_graph_out = [torch.empty(2 * largest, dtype=torch.float64, pin_memory=pin) for _ in range(2)]
+        # pinned fp64 [2, B] per (size, parity), and whether the result kernel may write it in place
+        self._host_graph_out: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
         # Decode-sized steps move their inputs and sampled ids with a small kernel instead of copy-engine
         # transfers (each leaves the GPU idle ~9 us on both sides, per step), where pinned memory is mapped.
         self._zero_copy = on_cuda and ZERO_COPY_STAGING and host_mapped(self.inputs.stage.host)
-        self._graph_out_mapped = self._zero_copy and all(host_mapped(b) for b in self._host_graph_out)
         self.num_graph_steps = 0
         self.num_eager_steps = 0
         self.num_lookahead_steps = 0  # steps launched before the previous step's tokens reached the host
@@ -355,12 +351,12 @@ class CudaStepRunner:
             packed = self.graphs.replay(padded)
             self.num_graph_steps += 1
             # The step's one device-to-host copy: ids and logprobs in one fp64 matrix.
-            buf = self._host_graph_out[parity]
-            if buf.numel() < 2 * padded:  # only stand-in graphs (tests) exceed max_num_seqs
-                buf = self._host_graph_out[parity] = torch.empty(2 * padded, dtype=torch.float64, pin_memory=on_cuda)
-                self._graph_out_mapped = self._graph_out_mapped and host_mapped(buf)
-            host = buf[:2 * padded].view(2, padded)
-            if self._graph_out_mapped:
+            found = self._host_graph_out.get((padded, parity))
+            if found is None:
+                buf = torch.empty((2, padded), dtype=torch.float64, pin_memory=on_cuda)
+                found = self._host_graph_out[(padded, parity)] = (buf, self._zero_copy and host_mapped(buf))
+            host, mapped = found
+            if mapped:
                 stage_copy(host, packed)
             else:
                 host.copy_(packed, non_blocking=True)
