@@ -189,11 +189,11 @@ def gemv_rotary_cache(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError("gemv_rotary_cache: the caches must be contiguous in their head dims, of x's dtype and "
                          "device")
     if not x.is_cuda or not gated_output_fits(weight):
-        qkv = _cuda_gemv(x, weight, bias, None) if x.is_cuda else reference.gemv(x, weight, bias)
+        # The two ops it fuses (each picks the kernel or the reference by device).
+        qkv = gemv(x, weight, bias)
         q, k, v = qkv.split([num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size], dim=-1)
         q = q.reshape(num_tokens, num_heads, head_size).contiguous()
-        rotary = rotary_and_cache if x.is_cuda else reference.rotary_and_cache
-        rotary(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox)
+        rotary_and_cache(positions, q, k, v, key_cache, value_cache, slot_mapping, cos_sin_cache, is_neox)
         return q
     q = torch.empty(num_tokens, num_heads, head_size, dtype=x.dtype, device=x.device)
     if num_tokens == 0:

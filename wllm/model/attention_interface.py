@@ -12,7 +12,10 @@ v, positions, rotary, **same keywords as attend)` to rotate and store in one ste
 fuses the rotary kernel into the KV-cache write; it may read `rotary`'s cos/sin table and style);
 any other context gets `rotary(positions, q, k)` followed by `attend`, so a context that only has
 `attend` keeps working unchanged. Either way q may be rotated in place and k must not be read
-afterwards.
+afterwards. A context may also offer `qkv_rotary_attend(layer_idx, hidden, qkv_proj, positions, rotary,
+num_heads, **attend's keywords)`, which projects `hidden` itself (the CUDA context fuses the qkv GEMV,
+the rotation and the KV write at decode batch sizes) and returns None when it does not apply; the
+decoder attention layers try it first.
 
 Shapes: q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim]; the result is
 [T, num_heads, head_dim]. Tokens of one sequence are contiguous in T and in position order.
