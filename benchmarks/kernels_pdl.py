@@ -37,9 +37,11 @@ BLOCK = 16
 KERNELS = ("norm_in", "qkv", "rope_cache", "attention", "o", "norm_post", "gate_up", "down")
 
 
-def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool = True) -> dict:
+def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool = True,
+         skip_sets: tuple[frozenset[str], ...] = (), attn_splits: int = 0) -> dict:
     """Time one shape's chain with PDL off and on; returns one result row. gated: the activation at the
-    gate_up projection's outputs (the engine's default), else in the down projection."""
+    gate_up projection's outputs (the engine's default), else in the down projection. skip_sets: further
+    ablations leaving out several kernels at once; attn_splits: decode attention's split count (0: auto)."""
     hidden, hq, hkv, d, inter, bias = SHAPES[name]
     dt, dev = torch.bfloat16, "cuda"
 
@@ -70,27 +72,28 @@ def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool
     attn_fixed = torch.randn(1, hq, d, device=dev, dtype=dt)
     gate_up_fixed = torch.randn(1, inter if gated else 2 * inter, device=dev, dtype=dt)
 
-    def step(skip: str | None = None) -> torch.Tensor:
+    def step(skip: str | frozenset[str] | None = None) -> torch.Tensor:
+        skipped = skip if isinstance(skip, frozenset) else frozenset((skip,) if skip else ())
         x, residual = x0.clone(), torch.zeros_like(x0)
         for lw in weights:
-            if skip != "norm_in":
+            if "norm_in" not in skipped:
                 kernels.fused_add_rms_norm(x, residual, lw["norm_in"], 1e-6)
-            qkv = qkv_fixed if skip == "qkv" else kernels.gemv(x, lw["qkv"], lw["qkv_bias"])
+            qkv = qkv_fixed if "qkv" in skipped else kernels.gemv(x, lw["qkv"], lw["qkv_bias"])
             q, k, v = (t.view(1, -1, d) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
-            if skip != "rope_cache":
+            if "rope_cache" not in skipped:
                 kernels.rotary_and_cache(positions, q, k, v, lw["k_cache"], lw["v_cache"], slots, cos_sin, True)
-            attn = attn_fixed if skip == "attention" else kernels.paged_decode_attention(
+            attn = attn_fixed if "attention" in skipped else kernels.paged_decode_attention(
                 q, lw["k_cache"], lw["v_cache"], tables, seq_lens, d**-0.5, max_seq_len=max_seq_len,
-                workspace=workspace)
-            x = x if skip == "o" else kernels.gemv(attn.reshape(1, hq * d), lw["o"])
-            if skip != "norm_post":
+                num_splits=attn_splits, workspace=workspace)
+            x = x if "o" in skipped else kernels.gemv(attn.reshape(1, hq * d), lw["o"])
+            if "norm_post" not in skipped:
                 kernels.fused_add_rms_norm(x, residual, lw["norm_post"], 1e-6)
             if gated:
-                h = gate_up_fixed if skip == "gate_up" else kernels.gemv(x, lw["gate_up"], output_activation="silu")
-                x = x if skip == "down" else kernels.gemv(h, lw["down"])
+                h = gate_up_fixed if "gate_up" in skipped else kernels.gemv(x, lw["gate_up"], output_activation="silu")
+                x = x if "down" in skipped else kernels.gemv(h, lw["down"])
             else:
-                gate_up = gate_up_fixed if skip == "gate_up" else kernels.gemv(x, lw["gate_up"])
-                x = x if skip == "down" else kernels.gemv(gate_up, lw["down"], activation="silu")
+                gate_up = gate_up_fixed if "gate_up" in skipped else kernels.gemv(x, lw["gate_up"])
+                x = x if "down" in skipped else kernels.gemv(gate_up, lw["down"], activation="silu")
         return x
 
     us, outs = {}, {}
@@ -107,6 +110,9 @@ def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool
         for kernel in KERNELS:
             graph, _ = capture_graph(lambda kernel=kernel: step(kernel))
             marginal[kernel] = us["on"] - cuda_time_ms(graph.replay, warmup=5, iters=50) * 1e3 / layers
+    for skip_set in skip_sets:
+        graph, _ = capture_graph(lambda skip_set=skip_set: step(skip_set))
+        marginal["+".join(sorted(skip_set))] = us["on"] - cuda_time_ms(graph.replay, warmup=5, iters=50) * 1e3 / layers
     lw = weights[0]
     nbytes = sum(t.numel() * t.element_size() for key, t in lw.items() if t is not None and "cache" not in key)
     nbytes += 2 * context * hkv * d * 2  # K and V rows read
@@ -122,11 +128,21 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=24, help="decoder layers per captured graph")
     parser.add_argument("--ablate", action="store_true", help="also time the chain with each kernel left out")
     parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="only this shape (default: all)")
+    parser.add_argument("--skip-sets", default="", help="comma-separated kernel sets joined by '+' to leave out "
+                        "together (e.g. norm_in+norm_post), with --ablate")
+    parser.add_argument("--attn-splits", type=int, default=0, help="decode attention splits (0: automatic)")
     args = parser.parse_args()
+    skip_sets = tuple(frozenset(part.split("+")) for part in args.skip_sets.split(",") if part)
+    unknown = {k for ks in skip_sets for k in ks} - set(KERNELS)
+    if unknown:
+        raise SystemExit(f"--skip-sets: unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
     if not torch.cuda.is_available() or not kernels.available():
         raise SystemExit("needs a CUDA GPU and the wLLM kernel library")
     torch.manual_seed(0)
-    rows = [case(name, args.context, args.layers, args.ablate and gated, gated) for name in SHAPES
+    shapes = [args.shape] if args.shape else list(SHAPES)
+    rows = [case(name, args.context, args.layers, args.ablate and gated, gated,
+                 skip_sets if args.ablate and gated else (), args.attn_splits) for name in shapes
             for gated in (True, False)]
     print(f"batch-1 decode layer (8 kernels), bf16, context {args.context}, CUDA graph of {args.layers} layers; "
           f"floor = weight + KV bytes at {H200.bandwidth / 1e9:,.0f} GB/s")
@@ -141,6 +157,10 @@ def main() -> int:
         print(f"{'shape':<14}" + "".join(f"{k:>11}" for k in KERNELS))
         for r in (r for r in rows if r["marginal_us"]):
             print(f"{r['shape']:<14}" + "".join(f"{r['marginal_us'][k]:>11.2f}" for k in KERNELS))
+        for r in (r for r in rows if r["marginal_us"]):
+            for key, value in r["marginal_us"].items():
+                if key not in KERNELS:
+                    print(f"{r['shape']:<14}left out together: {key:<40}{value:>9.2f}")
     if args.json:
         print(json.dumps({"context": args.context, "layers": args.layers, "rows": rows}))
     return 0 if all(r["identical"] for r in rows) else 1

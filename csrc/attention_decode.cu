@@ -392,25 +392,46 @@ struct Pipeline {
 // output, a split writes its normalised partial and (max, sum), and with the fused merge the last split
 // CTA of a (sequence, KV-head chunk) to finish -- an atomic ticket in the workspace that this CTA resets
 // to zero, so CUDA graph replays find it zero again -- merges all partials and writes the output.
+//
+// Everything here is on the critical path of a small batch (H200, Llama heads, batch 1: the merge was
+// ~2 us of a ~9 us call while its per-element loops chained an exp per split). So the exps run once per
+// (warp or split, head) -- a thread per head, or a warp per head with a lane per split -- and each output
+// element is then a dot product over warps or splits whose loads and FMAs do not wait on each other.
 template <typename T, int D, int GQ, typename TL>
 __device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned char* smem, const float* s_m,
                                        const float* s_l, int* s_last) {
+  constexpr int W = TL::WARPS;
+  constexpr int R = (GQ * D + TL::THREADS - 1) / TL::THREADS;  // output elements per thread
+  __shared__ float s_f[W * GQ];       // weight of warp ww's output in head h's (1 / sum folded in)
+  __shared__ float s_hm[GQ], s_hl[GQ];  // per head: (max, sum); the merge's running values later
+  __shared__ float s_r[GQ];           // merge: rescale of the running output per chunk
   const float* s_acc = reinterpret_cast<const float*>(smem);
   const bool direct = w.n_active == 1;  // this CTA holds the whole span: write the output itself
+  if ((int)threadIdx.x < GQ) {
+    const int h = threadIdx.x;
+    float m = -INFINITY;
+#pragma unroll
+    for (int ww = 0; ww < W; ++ww) m = fmaxf(m, s_m[ww * GQ + h]);
+    float f[W];
+    float sum = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < W; ++ww) {
+      f[ww] = s_m[ww * GQ + h] == -INFINITY ? 0.0f : __expf(s_m[ww * GQ + h] - m);
+      sum += s_l[ww * GQ + h] * f[ww];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < W; ++ww) s_f[ww * GQ + h] = f[ww] * inv;
+    s_hm[h] = m;
+    s_hl[h] = sum;
+  }
+  __syncthreads();
   const int64_t row_base = ((int64_t)w.seq * p.num_heads + w.head0) * p.splits + w.split;
   for (int i = threadIdx.x; i < w.heads * D; i += TL::THREADS) {
     const int h = i / D, d = i - h * D;
-    float m = -INFINITY;
+    float o = 0.0f;
 #pragma unroll
-    for (int ww = 0; ww < TL::WARPS; ++ww) m = fmaxf(m, s_m[ww * GQ + h]);
-    float o = 0.0f, sum = 0.0f;
-#pragma unroll
-    for (int ww = 0; ww < TL::WARPS; ++ww) {
-      const float f = s_m[ww * GQ + h] == -INFINITY ? 0.0f : __expf(s_m[ww * GQ + h] - m);
-      o += s_acc[(ww * GQ + h) * D + d] * f;
-      sum += s_l[ww * GQ + h] * f;
-    }
-    o = sum > 0.0f ? o / sum : 0.0f;
+    for (int ww = 0; ww < W; ++ww) o = fmaf(s_f[ww * GQ + h], s_acc[(ww * GQ + h) * D + d], o);
     if (direct) {
       T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride + (int64_t)(w.head0 + h) * p.out_head_stride;
       out[d] = Conv<T>::from_float(o);
@@ -418,43 +439,51 @@ __device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned 
       const int64_t row = row_base + (int64_t)h * p.splits;
       p.partial_out[row * D + d] = o;
       if (d == 0) {
-        p.partial_stats[row * 2] = m;
-        p.partial_stats[row * 2 + 1] = sum;
+        p.partial_stats[row * 2] = s_hm[h];
+        p.partial_stats[row * 2 + 1] = s_hl[h];
       }
     }
   }
   if (direct || !p.fused) return;
 
   // ---- fused merge: the last split CTA of this (sequence, KV-head chunk) combines them all ------
-  __threadfence();  // this thread's partials are visible device-wide before the ticket is taken
+  // One thread takes the ticket for the CTA: the barrier orders every thread's partials before its
+  // release fence, and its fence after the ticket orders the loads below (the CUTLASS semaphore pattern).
   __syncthreads();
-  unsigned int* counter = p.counters + blockIdx.x;  // one ticket per (sequence, KV-head chunk)
   if (threadIdx.x == 0) {
+    unsigned int* counter = p.counters + blockIdx.x;  // one ticket per (sequence, KV-head chunk)
+    __threadfence();
     const unsigned int ticket = atomicAdd(counter, 1u);
-    *s_last = ticket == (unsigned int)(w.n_active - 1);
-    if (*s_last) *counter = 0u;  // every active split has arrived: leave it zero for the next call
+    const bool last = ticket == (unsigned int)(w.n_active - 1);
+    if (last) {
+      *counter = 0u;  // every active split has arrived: leave it zero for the next call
+      __threadfence();
+    }
+    *s_last = last;
   }
   __syncthreads();
   if (!*s_last) return;
-  __threadfence();
   // The partials of up to kChunk splits are copied into the (now idle) stage memory all at once --
-  // every 16-byte piece its own cp.async, the (max, sum) pairs plain loads in flight alongside -- so a
-  // merge costs one L2 round trip per kChunk splits (a loop over splits per output element, one element
-  // after another, made that chain n_active * heads * D / TL::THREADS loads long).
+  // every 16-byte piece its own cp.async -- so a merge costs one L2 round trip per kChunk splits. While
+  // they travel, warp ww turns the (max, sum) of heads ww, ww + W, ... into one weight per split (a lane
+  // per split: kChunk <= 32) and the rescale of what earlier chunks summed.
   constexpr int kQuads = D / 4;
-  constexpr int kChunk = TL::SMEM_BYTES / ((GQ * D + 2 * GQ) * (int)sizeof(float));
+  constexpr int kChunk = cmin(32, TL::SMEM_BYTES / ((GQ * D + GQ) * (int)sizeof(float)));
   static_assert(kChunk >= 1 && D % 4 == 0, "merge staging");
-  constexpr int R = (GQ * D + TL::THREADS - 1) / TL::THREADS;
   float* s_po = reinterpret_cast<float*>(smem);  // [kChunk][GQ][D] partial outputs
-  float* s_st = s_po + kChunk * GQ * D;          // [kChunk][GQ][2] (max, sum)
+  float* s_w = s_po + kChunk * GQ * D;           // [kChunk][GQ] weights
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t row0 = ((int64_t)w.seq * p.num_heads + w.head0) * p.splits;
-  float m[R], l[R], o[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
-    o[r] = 0.0f;
+  for (int h = warp; h < w.heads; h += W) {
+    if (lane == 0) {
+      s_hm[h] = -INFINITY;
+      s_hl[h] = 0.0f;
+    }
   }
+  __syncwarp();  // each warp reads back only the heads its lane 0 reset
+  float o[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) o[r] = 0.0f;
   for (int sp0 = 0; sp0 < w.n_active; sp0 += kChunk) {
     const int nc = min(kChunk, w.n_active - sp0);
     for (int c = threadIdx.x; c < w.heads * nc * kQuads; c += TL::THREADS) {
@@ -465,35 +494,42 @@ __device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned 
       cp_async16(s_po + (sp * GQ + h) * D + q4 * 4, p.partial_out + row * D + q4 * 4);
     }
     cp_async_commit();
-    for (int c = threadIdx.x; c < w.heads * nc; c += TL::THREADS) {
-      const int h = c / nc, sp = c - h * nc;
-      const int64_t row = row0 + (int64_t)h * p.splits + sp0 + sp;
-      const float2 st = __ldcg(reinterpret_cast<const float2*>(p.partial_stats) + row);
-      s_st[(sp * GQ + h) * 2] = st.x;
-      s_st[(sp * GQ + h) * 2 + 1] = st.y;
+    for (int h = warp; h < w.heads; h += W) {  // uniform over the warp
+      const float2 st = lane < nc ? __ldcg(reinterpret_cast<const float2*>(p.partial_stats) + row0 +
+                                           (int64_t)h * p.splits + sp0 + lane)
+                                  : make_float2(-INFINITY, 0.0f);
+      float cm = st.x;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, off));
+      const float m_old = s_hm[h];
+      const float m_new = fmaxf(m_old, cm);
+      const float wgt = st.x == -INFINITY ? 0.0f : st.y * __expf(st.x - m_new);
+      const float lsum = warp_sum(wgt);
+      if (lane < nc) s_w[lane * GQ + h] = wgt;
+      __syncwarp();
+      if (lane == 0) {
+        const float resc = m_old == -INFINITY ? 0.0f : __expf(m_old - m_new);
+        s_r[h] = resc;
+        s_hm[h] = m_new;
+        s_hl[h] = s_hl[h] * resc + lsum;
+      }
     }
     cp_async_wait<0>();
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int i = threadIdx.x + r * TL::THREADS;
-      if (i < w.heads * D) {
-        const int h = i / D, d = i - h * D;
-        // Rescale once per chunk to its max, so the loop over splits is a plain FMA chain (the exps
-        // are independent of each other).
-        float m_new = m[r];
-        for (int sp = 0; sp < nc; ++sp) m_new = fmaxf(m_new, s_st[(sp * GQ + h) * 2]);
-        const float f = m[r] == -INFINITY ? 0.0f : __expf(m[r] - m_new);
-        float o_r = o[r] * f, l_r = l[r] * f;
-        for (int sp = 0; sp < nc; ++sp) {
-          const float m_i = s_st[(sp * GQ + h) * 2], s_i = s_st[(sp * GQ + h) * 2 + 1];
-          const float w = m_i == -INFINITY ? 0.0f : s_i * __expf(m_i - m_new);
-          o_r = fmaf(w, s_po[(sp * GQ + h) * D + d], o_r);
-          l_r += w;
+      if (i < w.heads * D) o[r] *= s_r[i / D];
+    }
+    // Splits outer, elements inner: R independent FMA chains per thread.
+    for (int sp = 0; sp < nc; ++sp) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int i = threadIdx.x + r * TL::THREADS;
+        if (i < w.heads * D) {
+          const int h = i / D, d = i - h * D;
+          o[r] = fmaf(s_w[sp * GQ + h], s_po[(sp * GQ + h) * D + d], o[r]);
         }
-        o[r] = o_r;
-        l[r] = l_r;
-        m[r] = m_new;
       }
     }
     __syncthreads();  // the next chunk's copies overwrite the staging
@@ -503,8 +539,9 @@ __device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned 
     const int i = threadIdx.x + r * TL::THREADS;
     if (i < w.heads * D) {
       const int h = i / D, d = i - h * D;
+      const float l = s_hl[h];
       T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride + (int64_t)(w.head0 + h) * p.out_head_stride;
-      out[d] = Conv<T>::from_float(l[r] > 0.0f ? o[r] / l[r] : 0.0f);
+      out[d] = Conv<T>::from_float(l > 0.0f ? o[r] / l : 0.0f);
     }
   }
 }
@@ -1150,6 +1187,7 @@ static int check_sizes(int num_seqs, int num_heads, int num_kv_heads, int head_s
 }
 
 }  // namespace decode
+WLLM_TRACE_TU(attn)
 }  // namespace WLLM_NS
 
 WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode) {

@@ -76,9 +76,52 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+#ifdef WLLM_TRACE
+// Diagnostic builds only (NVCC_APPEND_FLAGS=-DWLLM_TRACE): thread 0 of every CTA records %globaltimer
+// when the CTA starts (event 0) and when its pdl_wait() returns (event 1), into this translation unit's
+// buffer; WLLM_TRACE_TU(name) exports wllm_trace_dump_<name>(dst, max) to read and reset it.
+constexpr unsigned kTraceRecs = 1u << 21;
+static __device__ unsigned long long g_trace_recs[2 * kTraceRecs];
+static __device__ unsigned int g_trace_n;
+__device__ __forceinline__ void trace_event(int family, int event) {
+  if (threadIdx.x != 0 || threadIdx.y != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  unsigned int smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  const unsigned i = atomicAdd(&g_trace_n, 1u);
+  if (i >= kTraceRecs) return;
+  g_trace_recs[2 * i] = (unsigned long long)family | ((unsigned long long)event << 8) |
+                        ((unsigned long long)gridDim.x << 12) | ((unsigned long long)(blockIdx.x & 0xffff) << 32) |
+                        ((unsigned long long)(blockIdx.z & 0xff) << 48) | ((unsigned long long)(smid & 0xff) << 56);
+  g_trace_recs[2 * i + 1] = t;
+}
+#ifdef _WIN32
+#define WLLM_TRACE_EXPORT extern "C" __declspec(dllexport)
+#else
+#define WLLM_TRACE_EXPORT extern "C" __attribute__((visibility("default")))
+#endif
+#define WLLM_TRACE_TU(name)                                                                              \
+  WLLM_TRACE_EXPORT int wllm_trace_dump_##name(void* dst, int max) {                                     \
+    unsigned int n = 0;                                                                                \
+    cudaDeviceSynchronize();                                                                           \
+    cudaMemcpyFromSymbol(&n, g_trace_n, sizeof(n));                                                    \
+    if (n > kTraceRecs) n = kTraceRecs;                                                                \
+    if ((int)n > max) n = (unsigned)max;                                                               \
+    if (n > 0) cudaMemcpyFromSymbol(dst, g_trace_recs, (size_t)n * 16);                                \
+    const unsigned int zero = 0;                                                                       \
+    cudaMemcpyToSymbol(g_trace_n, &zero, sizeof(zero));                                                \
+    return (int)n;                                                                                     \
+  }
+#else
+__device__ __forceinline__ void trace_event(int, int) {}
+#define WLLM_TRACE_TU(name)
+#endif
+
 // First thing in a PDL kernel of `Family`: triggers the dependents now if the family triggers early.
 template <int Family>
 __device__ __forceinline__ void pdl_trigger_early() {
+  trace_event(Family, 0);
   if ((WLLM_PDL_EARLY_MASK & Family) != 0) pdl_launch_dependents();
 }
 
@@ -86,6 +129,7 @@ __device__ __forceinline__ void pdl_trigger_early() {
 template <int Family>
 __device__ __forceinline__ void pdl_wait_and_trigger() {
   pdl_wait();
+  trace_event(Family, 1);
   if ((WLLM_PDL_EARLY_MASK & Family) == 0) pdl_launch_dependents();
 }
 

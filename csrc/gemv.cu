@@ -1025,6 +1025,7 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
 }
 
 }  // namespace
+WLLM_TRACE_TU(gemv)
 }  // namespace WLLM_NS
 
 WLLM_API int WLLM_FN(wllm_gemv)(void* out, const void* x, const void* weight, const void* bias, int64_t rows,

@@ -170,6 +170,7 @@ static int check_norm_args(int64_t rows, int64_t hidden, const void* x, const vo
   return WLLM_OK;
 }
 
+WLLM_TRACE_TU(norm)
 }  // namespace WLLM_NS
 
 WLLM_API int WLLM_FN(wllm_rms_norm)(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden,

@@ -207,6 +207,7 @@ static void launch(int threads, cudaStream_t s, int64_t num_tokens, const int64_
 
 }  // namespace rope_cache
 
+WLLM_TRACE_TU(rope)
 }  // namespace WLLM_NS
 
 WLLM_API int WLLM_FN(wllm_rotary_and_cache)(
