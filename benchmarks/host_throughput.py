@@ -13,7 +13,9 @@ apart ("model"): on a GPU it is device time, not host time.
 Per `step()` call it records the wall time and the time in each phase, whether the step it processed
 had been launched ahead, whether it launched the next step ahead, and, when
 `Scheduler.schedule_lookahead` refused (returned None), which of its conditions refused it (the checks
-are repeated here, outside the engine, so the hot path carries no bookkeeping). It prints every step
+are repeated here, outside the engine, so the hot path carries no bookkeeping), and every cyclic GC
+collection (a `gc.callbacks` hook) with its generation and whether it ran at the engine's own collection
+point (`collect_garbage_if_due`, right after a launch ahead). It prints every step
 whose host time (wall minus model) exceeds --threshold-ms with its phase breakdown and context, then a
 summary.
 
@@ -172,7 +174,7 @@ class StepRecorder:
         self._alloc_failed = False
         self._admitting = False
         sched, runner, cuda = engine.scheduler, engine.runner, engine.runner.cuda_runner
-        self._wrap(sched, "schedule", "schedule", self._after_schedule)
+        self._wrap(sched, "schedule", "schedule")
         self._wrap(sched, "schedule_lookahead", "schedule_lookahead", self._after_lookahead,
                    before=self._before_lookahead)
         self._wrap(sched, "update_from_output", "update_from_output")
@@ -231,9 +233,6 @@ class StepRecorder:
         setattr(obj, attr, timed)
 
     # ------------------------------------------------------------------------------ observers
-    def _after_schedule(self, out: SchedulerOutput) -> None:
-        pass  # admissions are counted by _admit_waiting
-
     def _before_lookahead(self, prev: SchedulerOutput) -> None:
         self._in_lookahead = True
         self._alloc_failed = False
