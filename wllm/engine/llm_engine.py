@@ -76,7 +76,8 @@ def freeze_startup_objects() -> None:
 
 
 # Python 3.14's collector is incremental: it has no full-heap generation-2 pause to move.
-_GENERATIONAL_GC = sys.version_info < (3, 14)
+# WLLM_GC_AT_LOOKAHEAD=0 leaves every collection where CPython's allocation counter puts it (A/B runs).
+_GENERATIONAL_GC = sys.version_info < (3, 14) and os.environ.get("WLLM_GC_AT_LOOKAHEAD", "1") != "0"
 
 
 def collect_garbage_if_due() -> bool:
