@@ -51,12 +51,13 @@ class KVCacheManager:
 
     def _update_hashes(self, seq: Sequence) -> None:
         bs = self.block_size
-        tokens = seq.all_token_ids
+        hashes = seq.block_hashes
+        num_full = seq.num_tokens // bs
+        if len(hashes) >= num_full:
+            return
         extra = seq.group.extra_hash_key
-        while (len(seq.block_hashes) + 1) * bs <= len(tokens):
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(hash_block(parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
+        for i in range(len(hashes), num_full):
+            hashes.append(hash_block(hashes[-1] if hashes else None, seq.block_token_ids(i, bs), extra))
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of `seq` (whole blocks), never including its last token."""
@@ -68,7 +69,7 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // bs
         hits: list[KVBlock] = []
         for i in range(max_blocks):
-            block = self.pool.get_cached_block(seq.block_hashes[i], tuple(seq.all_token_ids[i * bs:(i + 1) * bs]))
+            block = self.pool.get_cached_block(seq.block_hashes[i], seq.block_token_ids(i, bs))
             if block is None:
                 break
             hits.append(block)
@@ -124,8 +125,7 @@ class KVCacheManager:
         self._update_hashes(seq)
         bs = self.block_size
         for i in range(seq.num_registered_blocks, num_full):
-            token_ids = tuple(seq.all_token_ids[i * bs:(i + 1) * bs])
-            self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i], token_ids)
+            self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i], seq.block_token_ids(i, bs))
         seq.num_registered_blocks = num_full
 
     def free(self, seq: Sequence) -> None:

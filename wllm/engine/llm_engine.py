@@ -373,7 +373,7 @@ class LLMEngine:
         first = group.seqs[0]
         return RequestOutput(
             request_id=group.request_id,
-            prompt_token_ids=group.prompt_token_ids,
+            prompt_token_ids=group.prompt_list(),
             outputs=outs,
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),

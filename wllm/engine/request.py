@@ -3,12 +3,21 @@
 A user request (`RequestGroup`) asks for `n` sequences. The scheduler only sees `Sequence`s:
 the first one is queued at once; the other `n - 1` are forked from it when its prompt is done,
 sharing the prompt's KV blocks.
+
+Token ids and the cyclic garbage collector: a full (generation-2) collection walks every item of every
+live list, however small the ints in it, and the token-id lists of an offline batch (256 requests x 640
+tokens) are most of what it walks. So the engine keeps each token once: the prompt as one tuple per
+request (the collector untracks a tuple of ints the first time it sees it, and never walks it again),
+shared by its sequences, and each sequence's generated ids in one list. A sequence's whole token
+sequence (prompt + outputs) is never stored; `Sequence.token_ids` and `Sequence.block_token_ids` read
+the slices that scheduling and prefix-cache hashing need from the two parts.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
 from wllm.outputs import RequestMetrics, StepLogprobs
@@ -38,9 +47,9 @@ class Sequence:
         self.group = group
         self.index = index
         self.seq_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
-        self.prompt_token_ids = group.prompt_token_ids
+        self.prompt_token_ids: tuple[int, ...] = group.prompt_token_ids  # the group's: one per request
+        self.num_prompt_tokens = len(self.prompt_token_ids)  # an attribute: read several times per step
         self.output_token_ids: list[int] = list(output_token_ids or [])
-        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling; -1 = not yet
@@ -73,11 +82,33 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def all_token_ids(self) -> list[int]:
+        """Prompt and output ids in one new list (a copy: for inspection, not for the step loop)."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """The ids at positions [start, end) of prompt + outputs, as a new list (a step's input chunk)."""
+        p = self.num_prompt_tokens
+        if start >= p:  # a decode token or a chunk of outputs (recompute after preemption)
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return list(self.prompt_token_ids[start:end])
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[:end - p]]
+
+    def block_token_ids(self, index: int, block_size: int) -> tuple[int, ...]:
+        """The ids of full block `index` (positions index * block_size onward), as the prefix cache keys
+        and stores them. The caller makes sure the block is full."""
+        start = index * block_size
+        end = start + block_size
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]  # a tuple slice: no list in between
+        if start >= p:
+            return tuple(self.output_token_ids[start - p:end - p])
+        return self.prompt_token_ids[start:] + tuple(self.output_token_ids[:end - p])
 
     @property
     def is_finished(self) -> bool:
@@ -102,7 +133,6 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id!r}, {self.status.value}, computed={self.num_computed_tokens}/"
@@ -115,7 +145,7 @@ class RequestGroup:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Seq[int],
         params: SamplingParams,
         *,
         priority: int = 0,
@@ -126,7 +156,9 @@ class RequestGroup:
         final_only: bool = False,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        # A tuple, not a list: see the module docstring. Outputs get a list (`prompt_list`).
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self._prompt_list: list[int] | None = None
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
@@ -142,6 +174,14 @@ class RequestGroup:
             [None] if params.prompt_logprobs is not None else None
         )
         self.error: str | None = None
+
+    def prompt_list(self) -> list[int]:
+        """The prompt ids as the list `RequestOutput.prompt_token_ids` carries. Made on the first call and
+        shared by every later output of the request, so a streaming request pays for one copy, and a
+        final-only one (offline batches) holds no prompt list until it finishes."""
+        if self._prompt_list is None:
+            self._prompt_list = list(self.prompt_token_ids)
+        return self._prompt_list
 
     @property
     def is_finished(self) -> bool:

@@ -31,7 +31,7 @@ class SamplingRow(msgspec.Struct):
     params: SamplingParams
     seed: int  # the request seed (or one the engine drew for it)
     index: int  # which of the request's n sequences
-    prompt_token_ids: list[int]
+    prompt_token_ids: Seq[int]  # the request's prompt tuple (see wllm.engine.request)
     output_token_ids: list[int]
     eos_token_ids: list[int]
 
@@ -81,7 +81,7 @@ def _apply_penalties(logits: torch.Tensor, rows: Seq[SamplingRow]) -> None:
                 logits[i, banned] = float("-inf")
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            ids = row.prompt_token_ids + row.output_token_ids
+            ids = [*row.prompt_token_ids, *row.output_token_ids]
             if ids:
                 seen[torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
             r = p.repetition_penalty

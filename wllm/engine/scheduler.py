@@ -363,7 +363,7 @@ class Scheduler:
         ended: set[str] = set()
         plan: list[tuple[Sequence, int, int, int]] = []
         for seq in self.running:
-            computed, total, prev_row = seq.num_computed_tokens, len(seq.all_token_ids), -1
+            computed, total, prev_row = seq.num_computed_tokens, seq.num_tokens, -1
             p = seq.group.params
             found = in_prev.get(seq.seq_id)
             if found is not None:
@@ -385,7 +385,7 @@ class Scheduler:
             if num_new <= 0:
                 continue
             if prev_row < 0:
-                if seq.group.prompt_logprobs is not None and computed < len(seq.prompt_token_ids):
+                if seq.group.prompt_logprobs is not None and computed < seq.num_prompt_tokens:
                     return None  # which positions it reports depends on prev's prompt logprobs
             elif p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
                     p.presence_penalty != 0.0:
@@ -480,14 +480,14 @@ class Scheduler:
             last = min(end, seq.num_prompt_tokens - 1)
             if first < last:
                 top = group.params.prompt_logprobs
-                targets = seq.prompt_token_ids[first + 1:last + 1]
+                targets = list(seq.prompt_token_ids[first + 1:last + 1])
         sampling = None
         if num_samples:
             sampling = seq.sampling_row
             if sampling is None:
                 sampling = seq.sampling_row = SamplingRow(group.params, group.seed, seq.index, seq.prompt_token_ids,
                                                           seq.output_token_ids, self.eos_token_ids)
-        return ScheduledSeq(seq.seq_id, seq.all_token_ids[start:end], start, seq.block_ids,
+        return ScheduledSeq(seq.seq_id, seq.token_ids(start, end), start, seq.block_ids,
                             num_samples, sampling, top, targets, first)
 
     # ------------------------------------------------------------------------------------ update

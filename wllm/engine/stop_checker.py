@@ -9,6 +9,8 @@ finishes with that stop reason.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from wllm.model.tokenizer.detokenizer import IncrementalDetokenizer
@@ -18,7 +20,7 @@ from wllm.sampling_params import SamplingParams
 class TextState:
     """The decoded text of one sequence and its stop-string state."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams,
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
                  defer: bool = False) -> None:
         """`tokenizer` needs `decode(ids, skip_special_tokens)`. `defer` (honoured only without stop
         strings): nobody reads the text before the sequence ends, so tokens are only collected and
@@ -28,7 +30,10 @@ class TextState:
         self.text = ""  # everything decoded so far (cut at the stop string once one matches)
         self.stopped_by: str | None = None
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
-        self._deferred: list[int] | None = [] if defer and not params.stop else None
+        # An int64 array, not a list: it holds a copy of every output id of an offline batch's requests
+        # until they end, and the cyclic GC walks every item of a live list in each full collection;
+        # an array is not GC-tracked at all.
+        self._deferred: array[int] | None = array("q") if defer and not params.stop else None
 
     def append(self, token_id: int, num_output_tokens: int, decode_token: bool = True) -> str | None:
         """Add one generated token; returns the stop string if one now matches.
@@ -63,7 +68,7 @@ class TextState:
         """Emit what an incomplete character was holding back (at the end of a sequence)."""
         if self._deferred:
             self.text += self._detok.add_many(self._deferred)
-            self._deferred = []
+            self._deferred = array("q")
         if self.stopped_by is None:
             self.text += self._detok.flush()
 
