@@ -12,6 +12,9 @@ front with `final_only`, as `LLM.generate` adds them) and, at two moments of the
 - "peak": the step before the first request finishes (its sequence holds O - 1 outputs), where every
   request is alive with the most output ids it will have together.
 
+With the default two full batches, the walk also shows what the first batch left for the collector
+(unattributed: it is no longer reachable from the engine).
+
 Each tracked object is attributed to an owner in the engine (the request's token-id lists, block
 tables, prefix-cache hashes, the in-flight step's staging, ...) or to the caller (the prompt lists the
 caller passed in), else to its type. For each owner it prints objects, references walked
@@ -143,7 +146,8 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     engine = build_engine(args)
     gen = torch.Generator().manual_seed(args.seed)
-    batches = [(min(args.requests, 8), min(args.output, 4))] * args.warmup + [(args.requests, args.output)]
+    batches = [(min(args.requests, 8), min(args.output, 4))] * args.warmup
+    batches += [(args.requests, args.output)] * args.batches
     for b, (count, out_len) in enumerate(batches):
         last = b == len(batches) - 1
         caller = torch.randint(0, LLAMA_8B["vocab_size"], (count, args.prompt), generator=gen).tolist()
@@ -181,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--blocks", type=int, default=32768, help="KV blocks (an 8B engine on an H200 has ~30k)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=1, help="small warm-up batches first, as the benchmarks run")
+    ap.add_argument("--batches", type=int, default=2,
+                    help="full batches (the last one is walked): a benchmark times several in a row, and what one "
+                         "batch leaves behind is walked in the next")
     ap.add_argument("--top", type=int, default=16, help="owners to list (by references walked)")
     ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     args = ap.parse_args(argv)

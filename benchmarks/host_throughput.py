@@ -102,7 +102,7 @@ def refusal_reason(sched: Scheduler, prev: SchedulerOutput) -> str:
     budget = sched.config.max_num_batched_tokens
     num_running = 0
     for seq in sched.running:
-        computed, total, decodes = seq.num_computed_tokens, len(seq.all_token_ids), False
+        computed, total, decodes = seq.num_computed_tokens, seq.num_tokens, False
         p = seq.group.params
         s = in_prev.get(seq.seq_id)
         if s is not None:

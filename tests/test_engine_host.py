@@ -7,6 +7,7 @@ from test_engine import engine_for, make_prompts, tiny
 
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig, default_batched_tokens
 from wllm.engine.llm_engine import LLMEngine
+from wllm.sampling_params import SamplingParams
 
 
 def test_batched_tokens_default_depends_on_device_and_explicit_value_wins(tmp_path_factory):
@@ -135,3 +136,100 @@ def test_a_due_full_collection_runs_while_two_steps_are_queued_and_outputs_stay_
     for i, kind in enumerate(kinds):
         if kind == "gc":
             assert kinds[i - 1] == "launch ahead" and kinds[i + 1] == "collect"
+
+
+def _lists_holding(prompt: list[int], besides: list[list[int]]) -> list[list[int]]:
+    """GC-tracked lists (what a full collection walks item by item) that start with `prompt`,
+    other than the objects in `besides`."""
+    import gc
+
+    skip = {id(x) for x in besides}
+    n = len(prompt)
+    return [o for o in gc.get_objects() if type(o) is list and id(o) not in skip and len(o) >= n and o[:n] == prompt]
+
+
+def test_engine_keeps_no_list_copy_of_a_running_prompt(tmp_path_factory):
+    """A full GC collection walks every item of every live list; an offline batch's cost was the engine's
+    copies of each prompt (the group's list, each sequence's prompt + outputs list). While requests run,
+    the only lists holding a prompt are the caller's and, for a streaming request, the one its outputs
+    carry; prefix caching (blocks of 4, a shared prefix), forks and outputs stay as before."""
+    import gc
+
+    from test_engine import CharTokenizer
+
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    engine = engine_for(model, tokenizer=CharTokenizer(), budget=64)
+    shared = make_prompts()[1][:12]
+    prompts = [shared + [5 + i] * 30 for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("offline", prompts[0], params, final_only=True)
+    engine.add_request("stream", prompts[1], params)
+    engine.add_request("forks", prompts[2], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6,
+                                                             ignore_eos=True), final_only=True)
+    streamed = {}
+    for _ in range(3):  # prompts computed, forks made, a few tokens out: every request still running
+        for out in engine.step():
+            streamed[out.request_id] = out
+    assert not streamed.get("offline") and not streamed["stream"].finished
+    gc.collect()
+    assert _lists_holding(prompts[0], [prompts[0]]) == []
+    assert _lists_holding(prompts[2], [prompts[2]]) == []
+    assert _lists_holding(prompts[1], [prompts[1]]) == [streamed["stream"].prompt_token_ids]
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    for rid, prompt in zip(("offline", "stream", "forks"), prompts):
+        out = final[rid]
+        assert type(out.prompt_token_ids) is list and out.prompt_token_ids == prompt
+        assert all(type(c.token_ids) is list and len(c.token_ids) == 6 for c in out.outputs)
+    assert len(final["forks"].outputs) == 2
+    assert engine.stats()["prefix_cache_hits"] > 0  # the shared 12-token prefix: 3 blocks of 4
+
+
+def test_finished_and_aborted_requests_are_freed_without_the_cyclic_gc(tmp_path_factory):
+    """A request's group and sequences reference each other; left as a cycle, every finished request
+    lived on until a full collection, which then walked it (an offline batch's first full collection
+    walked the whole previous batch). Finishing, forking and aborting must free them by reference
+    counting alone."""
+    import gc
+    import weakref
+
+    from test_engine import CharTokenizer
+
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    engine = engine_for(model, tokenizer=CharTokenizer())
+    prompts = make_prompts()[:4]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        engine.add_request("plain", prompts[0], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
+                           final_only=True)
+        engine.add_request("forks", prompts[1], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=4))
+        engine.add_request("stop", prompts[2], SamplingParams(temperature=0.0, max_tokens=8,
+                                                              stop=[chr(0x100 + t) for t in range(300)]))
+        engine.add_request("aborted", prompts[3], SamplingParams(temperature=0.0, max_tokens=50))
+        groups = dict(engine.scheduler.groups)
+        refs = [weakref.ref(g) for g in groups.values()] + [weakref.ref(g.seqs[0]) for g in groups.values()]
+        stop_seq = weakref.ref(groups["stop"].seqs[0])
+        # Prompts in, forks made, "stop" done (any character is a stop string).
+        final = {out.request_id: out for out in engine.step() if out.finished}
+        refs += [weakref.ref(s) for s in groups["forks"].seqs[1:]]
+        assert len(refs) == 4 + 6
+        del groups
+        aborted = engine.abort("aborted")
+        assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        assert final["stop"].outputs[0].finish_reason == "stop" and stop_seq() is None
+        assert len(final["forks"].outputs) == 3 and len(final["plain"].outputs[0].token_ids) == 5
+        alive = [r() for r in refs if r() is not None]
+        assert alive == [], alive
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -85,11 +85,13 @@ def collect_garbage_if_due() -> bool:
     anyway; returns whether it ran. Called where the device has the most queued work (right after a
     step was launched ahead, before waiting for the one before it), so that the pause overlaps GPU work.
 
-    Why: after `freeze_startup_objects`, a full collection still walks every live token-id list of the
-    running requests (~0.5-1M list items in an offline batch of 256 x 640 tokens): 5-15 ms on a CI-class
-    CPU, ~40 ms on the H200's host, two or three times per batch. Left to the allocation counter, it lands
-    anywhere in the step, e.g. while the host processes step N with only N+1 queued, and the GPU idles
-    for the rest of it. Here it overlaps the rest of step N plus all of N+1.
+    Why: after `freeze_startup_objects`, a full collection still walks every live container the running
+    requests hold. It walked ~0.5-0.9M list items of token ids in an offline batch of 256 x 640 tokens
+    (5-15 ms on a CI-class CPU, ~40 ms on the H200's host, two or three times per batch); the engine now
+    keeps prompts in tuples and frees finished requests without the collector (see wllm.engine.request),
+    which leaves ~0.1M references of its own (plus the caller's prompt lists). Left to the allocation
+    counter, a collection lands anywhere in the step, e.g. while the host processes step N with only N+1
+    queued, and the GPU idles for the rest of it. Here it overlaps the rest of step N plus all of N+1.
 
     Due means: generation 1 has been collected `threshold2` times since the last full collection, so one
     of the next few allocation-triggered collections is the full one (CPython collects generation 2 at a
@@ -239,8 +241,9 @@ class LLMEngine:
         group = self.scheduler.abort(request_id)
         if group is None:
             return None
+        out = self._make_output(group)
         self.scheduler.pop_finished_group(request_id)
-        return self._make_output(group)
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -290,8 +293,8 @@ class LLMEngine:
             self.num_failed_steps += 1
             message = f"{type(e).__name__}: {e}"
             for group in self.scheduler.fail_step(sched_out, message):
-                self.scheduler.pop_finished_group(group.request_id)
                 outputs.append(self._make_output(group))
+                self.scheduler.pop_finished_group(group.request_id)
             return outputs
         self._inflight = ahead
         changed = self.scheduler.update_from_output(sched_out, results)

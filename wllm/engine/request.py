@@ -192,6 +192,13 @@ class RequestGroup:
             return seqs[0].status is SequenceStatus.FINISHED
         return all(s.status is SequenceStatus.FINISHED for s in seqs)
 
+    def release(self) -> None:
+        """Cut the group <-> sequence reference cycle once the request is done with (finished and its
+        final output made), so that reference counting frees the request and its token ids at once.
+        Left as a cycle, a finished request lives on until a full (generation-2) collection, which then
+        walks it: an offline batch's first full collection walked the whole previous batch."""
+        self.seqs = []
+
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None

@@ -209,7 +209,11 @@ class Scheduler:
         return group
 
     def pop_finished_group(self, request_id: str) -> None:
-        self.groups.pop(request_id, None)
+        """Forget a finished request whose final output is made (make it before: this empties
+        `group.seqs`). See `RequestGroup.release`."""
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            group.release()
 
     # ----------------------------------------------------------------------------------- schedule
     def _victim(self) -> Sequence:
