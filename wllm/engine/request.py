@@ -89,14 +89,16 @@ class Sequence:
         """Prompt and output ids in one new list (a copy: for inspection, not for the step loop)."""
         return [*self.prompt_token_ids, *self.output_token_ids]
 
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """The ids at positions [start, end) of prompt + outputs, as a new list (a step's input chunk)."""
+    def token_ids(self, start: int, end: int) -> Seq[int]:
+        """The ids at positions [start, end) of prompt + outputs (a step's input chunk), in a new object:
+        a list slice of the outputs, or a tuple where it covers prompt tokens (sliced from the prompt
+        tuple without a list in between; the collector untracks it on its first pass)."""
         p = self.num_prompt_tokens
         if start >= p:  # a decode token or a chunk of outputs (recompute after preemption)
             return self.output_token_ids[start - p:end - p]
         if end <= p:
-            return list(self.prompt_token_ids[start:end])
-        return [*self.prompt_token_ids[start:], *self.output_token_ids[:end - p]]
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + tuple(self.output_token_ids[:end - p])
 
     def block_token_ids(self, index: int, block_size: int) -> tuple[int, ...]:
         """The ids of full block `index` (positions index * block_size onward), as the prefix cache keys

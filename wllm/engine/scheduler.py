@@ -14,6 +14,7 @@ import itertools
 import os
 import time
 from collections import deque
+from collections.abc import Sequence as Seq
 
 import msgspec
 
@@ -32,7 +33,7 @@ class ScheduledSeq(msgspec.Struct):
     """One sequence's share of a step, as the model runner needs it."""
 
     seq_id: str
-    token_ids: list[int]  # the tokens to compute this step
+    token_ids: Seq[int]  # the tokens to compute this step: a tuple where it holds prompt tokens, else a list
     start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
     block_ids: list[int]  # the sequence's block table
     num_samples: int  # tokens to sample after this chunk: 0 (mid-prompt), 1, or n at a fork
