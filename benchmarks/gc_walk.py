@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 import torch  # noqa: E402
 
-from benchmarks.host_throughput import LLAMA_8B, build_engine  # noqa: E402
+from benchmarks.host_throughput import LLAMA_8B, add_workload_args, build_engine  # noqa: E402
 from wllm.engine.llm_engine import LLMEngine  # noqa: E402
 from wllm.sampling_params import SamplingParams  # noqa: E402
 
@@ -177,20 +177,11 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--output", type=int, default=128)
-    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens (the CUDA default)")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--blocks", type=int, default=32768, help="KV blocks (an 8B engine on an H200 has ~30k)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=1, help="small warm-up batches first, as the benchmarks run")
+    add_workload_args(ap)
     ap.add_argument("--batches", type=int, default=2,
                     help="full batches (the last one is walked): a benchmark times several in a row, and what one "
                          "batch leaves behind is walked in the next")
     ap.add_argument("--top", type=int, default=16, help="owners to list (by references walked)")
-    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     run(args)

@@ -392,8 +392,8 @@ def summarize(steps: list[StepRecord], threshold_ms: float, all_steps: bool) -> 
                                              if not k.startswith("gc")))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload and engine options this script and benchmarks/gc_walk.py share."""
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--output", type=int, default=128)
@@ -402,14 +402,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--blocks", type=int, default=32768, help="KV blocks (an 8B engine on an H200 has ~30k)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=1, help="small warm-up batches first, as the benchmarks run")
+    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(ap)
     ap.add_argument("--mode", choices=("generate", "profile"), default="generate",
                     help="generate: requests as LLM.generate adds them (final_only); profile: as "
                          "benchmarks/profile_throughput.py adds them (outputs every step, prompt ids < 1000)")
-    ap.add_argument("--warmup", type=int, default=1, help="small warm-up batches first, as the benchmarks run")
     ap.add_argument("--batches", type=int, default=1, help="full batches; the last one is reported")
     ap.add_argument("--threshold-ms", type=float, default=5.0)
     ap.add_argument("--all-steps", action="store_true", help="print every step, not only the slow ones")
-    ap.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     summarize(run(args), args.threshold_ms, args.all_steps)
