@@ -12,8 +12,8 @@ apart ("model"): on a GPU it is device time, not host time.
 
 Per `step()` call it records the wall time and the time in each phase, whether the step it processed
 had been launched ahead, whether it launched the next step ahead, and, when
-`Scheduler.schedule_lookahead` refused (returned None), which of its conditions refused it (the checks
-are repeated here, outside the engine, so the hot path carries no bookkeeping), and every cyclic GC
+`Scheduler.schedule_lookahead` refused (returned None), which of its conditions refused it (its
+`lookahead_refusal`), and every cyclic GC
 collection (a `gc.callbacks` hook) with its generation and whether it ran at the engine's own collection
 point (`collect_garbage_if_due`, right after a launch ahead). It prints every step
 whose host time (wall minus model) exceeds --threshold-ms with its phase breakdown and context, then a
@@ -48,12 +48,11 @@ import torch  # noqa: E402
 
 from benchmarks.host_overhead import TINY_LLAMA, FrozenGraphs  # noqa: E402
 from wllm.engine import llm_engine as llm_engine_module  # noqa: E402
-from wllm.engine import scheduler as scheduler_module  # noqa: E402
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from wllm.engine.cuda_graphs import graph_batch_sizes  # noqa: E402
 from wllm.engine.cuda_runner import CudaStepRunner  # noqa: E402
 from wllm.engine.llm_engine import LLMEngine  # noqa: E402
-from wllm.engine.scheduler import Scheduler, SchedulerOutput  # noqa: E402
+from wllm.engine.scheduler import SchedulerOutput  # noqa: E402
 from wllm.model.loader.dummy import DUMMY_CONFIGS  # noqa: E402
 from wllm.model.loader.model_loader import load_model  # noqa: E402
 from wllm.model.tokenizer.synthetic import synthetic_tokenizer  # noqa: E402
@@ -85,54 +84,6 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         runner.graphs.capture(runner._prepare_padding, runner._graph_forward)
     engine.runner.cuda_runner = runner
     return engine
-
-
-def refusal_reason(sched: Scheduler, prev: SchedulerOutput) -> str:
-    """Which condition of `schedule_lookahead` refuses to plan the step after `prev`, found by repeating
-    its checks in its order (valid for refusals before it changes anything: it is called right after)."""
-    if sched._pending_copies:
-        return "block copies pending"
-    if sched.swapped:
-        return "sequences swapped out"
-    if not sched.running:
-        return "nothing running"
-    in_prev = {s.seq_id: s for s in prev.seqs}
-    if not scheduler_module.MIXED_LOOKAHEAD and (any(len(s.token_ids) != 1 for s in prev.seqs) or sched.waiting):
-        return "mixed lookahead off"
-    budget = sched.config.max_num_batched_tokens
-    num_running = 0
-    for seq in sched.running:
-        computed, total, decodes = seq.num_computed_tokens, seq.num_tokens, False
-        p = seq.group.params
-        s = in_prev.get(seq.seq_id)
-        if s is not None:
-            computed += len(s.token_ids)
-            if s.num_samples:
-                if s.num_samples > 1 or s.sampling is not seq.sampling_row:
-                    return "prev forks a sequence"
-                if (p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens) or \
-                        total + 1 >= sched.max_model_len:
-                    continue
-                total += 1
-                decodes = True
-        num_running += 1
-        if budget <= 0:
-            continue
-        num_new = min(total - computed, budget)
-        if num_new <= 0:
-            continue
-        if not decodes:
-            if seq.group.prompt_logprobs is not None and computed < len(seq.prompt_token_ids):
-                return "prompt logprobs"
-        elif p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
-                p.presence_penalty != 0.0:
-            return "logprobs or penalties"
-        budget -= num_new
-    if budget > 0 and num_running < sched.config.max_num_seqs and len(sched.waiting):
-        for seq in sched.waiting.first(min(sched.config.max_num_seqs - num_running, budget)):
-            if seq.seq_id in in_prev or seq.group.prompt_logprobs is not None:
-                return "waiting id reused / prompt logprobs"
-    return ""  # refused later: an allocation failed (preemption needed) or nothing is left to run
 
 
 @dataclass
@@ -170,17 +121,12 @@ class StepRecorder:
         self.engine = engine
         self.steps: list[StepRecord] = []
         self.cur: StepRecord | None = None
-        self._in_lookahead = False
-        self._alloc_failed = False
-        self._admitting = False
         sched, runner, cuda = engine.scheduler, engine.runner, engine.runner.cuda_runner
         self._wrap(sched, "schedule", "schedule")
-        self._wrap(sched, "schedule_lookahead", "schedule_lookahead", self._after_lookahead,
-                   before=self._before_lookahead)
+        self._wrap(sched, "schedule_lookahead", "schedule_lookahead", self._after_lookahead)
         self._wrap(sched, "update_from_output", "update_from_output")
         self._wrap(sched, "pop_finished_group", "pop_finished_group")
-        self._wrap(sched, "_admit_waiting", None, self._after_admit, before=self._before_admit)
-        self._wrap(sched.kv, "allocate_slots", None, self._after_alloc)
+        self._wrap(sched, "_admit_waiting", None, self._after_admit)
         self._wrap(runner, "launch", "launch")
         self._wrap(runner, "collect", "collect/sync")
         self._wrap(runner, "release", "release")
@@ -191,18 +137,17 @@ class StepRecorder:
         self._gc_start = 0
         self._in_safe_point = False
         gc.callbacks.append(self._gc_event)
-        if hasattr(llm_engine_module, "collect_garbage_if_due"):
-            # The engine's own collection point (right after a launch ahead): `step()` looks the name up here.
-            fn = llm_engine_module.collect_garbage_if_due
+        # The engine's own collection point (right after a launch ahead): `step()` looks the name up here.
+        fn = llm_engine_module.collect_garbage_if_due
 
-            def safe_point() -> bool:
-                self._in_safe_point = True
-                try:
-                    return fn()
-                finally:
-                    self._in_safe_point = False
+        def safe_point() -> bool:
+            self._in_safe_point = True
+            try:
+                return fn()
+            finally:
+                self._in_safe_point = False
 
-            llm_engine_module.collect_garbage_if_due = safe_point
+        llm_engine_module.collect_garbage_if_due = safe_point
 
     def _gc_event(self, phase: str, info: dict[str, int]) -> None:
         """Cyclic GC collections inside a step, by generation (their time also counts in the phase they hit)."""
@@ -214,13 +159,11 @@ class StepRecorder:
             self.cur.phases[f"gc{gen}{where}"] += time.perf_counter_ns() - self._gc_start
             self.cur.gc.append((gen, bool(where)))
 
-    def _wrap(self, obj: Any, attr: str, phase: str | None, after: Any = None, before: Any = None) -> None:
+    def _wrap(self, obj: Any, attr: str, phase: str | None, after: Any = None) -> None:
         fn = getattr(obj, attr)
         rec = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before(*args)
             t0 = time.perf_counter_ns()
             result = fn(*args, **kwargs)
             dt = time.perf_counter_ns() - t0
@@ -233,29 +176,13 @@ class StepRecorder:
         setattr(obj, attr, timed)
 
     # ------------------------------------------------------------------------------ observers
-    def _before_lookahead(self, prev: SchedulerOutput) -> None:
-        self._in_lookahead = True
-        self._alloc_failed = False
-
     def _after_lookahead(self, out: SchedulerOutput | None, prev: SchedulerOutput) -> None:
-        self._in_lookahead = False
         if out is None and self.cur is not None:
-            reason = refusal_reason(self.engine.scheduler, prev)
-            if not reason:
-                reason = "allocation failed (would preempt)" if self._alloc_failed else "nothing left to run"
-            self.cur.refusal = reason
-
-    def _before_admit(self, *args: Any) -> None:
-        self._admitting = True
+            self.cur.refusal = self.engine.scheduler.lookahead_refusal
 
     def _after_admit(self, result: Any, *args: Any) -> None:
-        self._admitting = False
         if self.cur is not None:
             self.cur.admitted += len(result[0])
-
-    def _after_alloc(self, ok: bool, *args: Any) -> None:
-        if self._in_lookahead and not self._admitting and not ok:
-            self._alloc_failed = True
 
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[Any]:

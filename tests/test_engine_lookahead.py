@@ -230,8 +230,18 @@ def test_penalties_and_logprobs_never_run_ahead(make):
     for params in (SamplingParams(temperature=0.0, max_tokens=6, presence_penalty=0.5),
                    SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)):
         engine = make(True, seqs=4)
+        sched, plan, reasons = engine.scheduler, engine.scheduler.schedule_lookahead, set()
+
+        def planned(prev, sched=sched, plan=plan, reasons=reasons):
+            out = plan(prev)
+            if out is None:
+                reasons.add(sched.lookahead_refusal)
+            return out
+
+        sched.schedule_lookahead = planned
         assert_same(engine.generate(prompts, params), make(False).generate(prompts, params))
         assert engine.num_lookahead_steps == 0
+        assert reasons == {"logprobs or penalties", "nothing left to run"}  # the scheduler names its refusals
 
 
 def test_a_failing_step_ahead_fails_its_requests_as_in_step(make, tmp_path_factory, caplog):

@@ -151,6 +151,9 @@ class Scheduler:
         # The last lookahead step and the waiting sequences it admitted (with their prefix-cache
         # hits), so that `cancel_lookahead` can put them back if that step never runs.
         self._ahead: tuple[SchedulerOutput, list[tuple[Sequence, int]]] | None = None
+        # Why the last `schedule_lookahead` call that returned None refused (diagnostics, e.g.
+        # benchmarks/host_throughput.py); set only on refusals, so the planned path pays nothing.
+        self.lookahead_refusal = ""
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputation included)
@@ -342,7 +345,8 @@ class Scheduler:
         admitted reuses the id of one in prev (an aborted request's id, taken again).
         """
         if self._pending_copies or self.swapped or not self.running:
-            return None
+            return self._refuse("block copies pending" if self._pending_copies else
+                                "sequences swapped out" if self.swapped else "nothing running")
         # prev's sequences, and their sampling rows numbered as the runner lays them out
         # (`decode_first_order`: single-token sequences first, then the others, each in order).
         in_prev: dict[str, tuple[int, ScheduledSeq]] = {}
@@ -355,7 +359,7 @@ class Scheduler:
             else:
                 chunks.append(sched)
         if not MIXED_LOOKAHEAD and (chunks or self.waiting):
-            return None
+            return self._refuse("mixed lookahead off")
         for sched in chunks:
             in_prev[sched.seq_id] = (row, sched)
             row += sched.num_samples
@@ -376,7 +380,8 @@ class Scheduler:
                 computed += len(sched.token_ids)
                 if sched.num_samples:
                     if sched.num_samples > 1 or sched.sampling is not seq.sampling_row:
-                        return None  # a fork: its children exist only once prev is applied
+                        # a fork: its children exist only once prev is applied
+                        return self._refuse("prev forks a sequence")
                     if (p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens) or \
                             total + 1 >= max_len:
                         ended.add(seq.seq_id)  # prev's token ends it ("length")
@@ -391,10 +396,11 @@ class Scheduler:
                 continue
             if prev_row < 0:
                 if seq.group.prompt_logprobs is not None and computed < seq.num_prompt_tokens:
-                    return None  # which positions it reports depends on prev's prompt logprobs
+                    # which positions it reports depends on prev's prompt logprobs
+                    return self._refuse("prompt logprobs")
             elif p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
                     p.presence_penalty != 0.0:
-                return None
+                return self._refuse("logprobs or penalties")
             plan.append((seq, computed, num_new, prev_row))
             budget -= num_new
         may_admit = budget > 0 and num_running < max_seqs and len(self.waiting) > 0
@@ -402,7 +408,7 @@ class Scheduler:
             # Every sequence the admission below could take (each takes at least one token).
             for seq in self.waiting.first(min(max_seqs - num_running, budget)):
                 if seq.seq_id in in_prev or seq.group.prompt_logprobs is not None:
-                    return None
+                    return self._refuse("a waiting id is in prev, or prompt logprobs")
 
         # Apply what applying prev does to the pool, in prev's order: register the blocks it
         # completes (only admissions look them up; applying prev registers them otherwise, but not
@@ -428,7 +434,7 @@ class Scheduler:
         for seq, computed, num_new, prev_row in plan:
             if not allocate(seq, computed - seq.num_computed_tokens + num_new):
                 # schedule() would preempt. The slots given so far are the ones it gives too.
-                return None
+                return self._refuse("allocation failed (would preempt)")
             if prev_row >= 0:
                 # Token 0 stands in for prev's sample: the runner overwrites it on the device.
                 out.append(ScheduledSeq(seq.seq_id, [0], computed, seq.block_ids, 1, seq.sampling_row))
@@ -442,11 +448,15 @@ class Scheduler:
             out.append(self._scheduled_seq(seq, num_new))
             prev_rows.append(-1)
         if not out:
-            return None
+            return self._refuse("nothing left to run")
         next_out = SchedulerOutput(out, [], [], [], self.config.max_num_batched_tokens - budget,
                                    prev_rows=prev_rows)
         self._ahead = (next_out, [(seq, num_hit) for seq, _, num_hit in admitted])
         return next_out
+
+    def _refuse(self, reason: str) -> None:
+        """`schedule_lookahead`'s refusal: records why (`lookahead_refusal`) and returns None."""
+        self.lookahead_refusal = reason
 
     def cancel_lookahead(self, out: SchedulerOutput) -> None:
         """A lookahead step will not run (its launch failed, or the step before it failed): put the
