@@ -52,11 +52,8 @@ class KVCacheManager:
     def _update_hashes(self, seq: Sequence) -> None:
         bs = self.block_size
         hashes = seq.block_hashes
-        num_full = seq.num_tokens // bs
-        if len(hashes) >= num_full:
-            return
         extra = seq.group.extra_hash_key
-        for i in range(len(hashes), num_full):
+        for i in range(len(hashes), seq.num_tokens // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, seq.block_token_ids(i, bs), extra))
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[KVBlock], int]:

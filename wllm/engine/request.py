@@ -103,14 +103,8 @@ class Sequence:
     def block_token_ids(self, index: int, block_size: int) -> tuple[int, ...]:
         """The ids of full block `index` (positions index * block_size onward), as the prefix cache keys
         and stores them. The caller makes sure the block is full."""
-        start = index * block_size
-        end = start + block_size
-        p = self.num_prompt_tokens
-        if end <= p:
-            return self.prompt_token_ids[start:end]  # a tuple slice: no list in between
-        if start >= p:
-            return tuple(self.output_token_ids[start - p:end - p])
-        return self.prompt_token_ids[start:] + tuple(self.output_token_ids[:end - p])
+        ids = self.token_ids(index * block_size, (index + 1) * block_size)
+        return ids if isinstance(ids, tuple) else tuple(ids)
 
     @property
     def is_finished(self) -> bool:
