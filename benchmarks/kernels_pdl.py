@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -37,18 +38,22 @@ BLOCK = 16
 KERNELS = ("norm_in", "qkv", "rope_cache", "attention", "o", "norm_post", "gate_up", "down")
 
 
-def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool = True,
-         skip_sets: tuple[frozenset[str], ...] = (), attn_splits: int = 0) -> dict:
-    """Time one shape's chain with PDL off and on; returns one result row. gated: the activation at the
-    gate_up projection's outputs (the engine's default), else in the down projection. skip_sets: further
-    ablations leaving out several kernels at once; attn_splits: decode attention's split count (0: auto)."""
+def build_chain(name: str, context: int, layers: int, gated: bool = True, attn_splits: int = 0,
+                max_seq_len: int | None = None, device: str = "cuda",
+                ) -> tuple[Callable[..., torch.Tensor], dict[str, torch.Tensor | None]]:
+    """The batch-1 decode layer chain of `name`: returns step(skip) -- `layers` layers with their own
+    weights, each kernel left out when named in `skip` (a name or a frozenset) -- and layer 0's weights.
+    max_seq_len sizes decode attention's split-KV grid as the engine's max_model_len does (None: the
+    context rounded up to whole blocks; the engine captures its graphs for max_model_len, e.g. 4096,
+    which gives batch 1 many more splits)."""
     hidden, hq, hkv, d, inter, bias = SHAPES[name]
-    dt, dev = torch.bfloat16, "cuda"
+    dt, dev = torch.bfloat16, device
 
     def w(n: int, k: int) -> torch.Tensor:
         return torch.randn(n, k, device=dev, dtype=dt) * k**-0.5
 
-    blocks = (context + BLOCK - 1) // BLOCK
+    blocks = (max(context, max_seq_len or 0) + BLOCK - 1) // BLOCK
+    max_seq_len = blocks * BLOCK
     weights = [{
         "norm_in": torch.ones(hidden, device=dev, dtype=dt), "norm_post": torch.ones(hidden, device=dev, dtype=dt),
         "qkv": w((hq + 2 * hkv) * d, hidden),
@@ -61,8 +66,7 @@ def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool
     seq_lens = torch.tensor([context], device=dev, dtype=torch.int32)
     positions = torch.tensor([context - 1], device=dev, dtype=torch.int64)
     slots = (tables[0, (context - 1) // BLOCK].long() * BLOCK + (context - 1) % BLOCK).view(1)
-    cos_sin = kernels.rotary_cos_sin_cache(blocks * BLOCK, d).to(dev)
-    max_seq_len = blocks * BLOCK
+    cos_sin = kernels.rotary_cos_sin_cache(max_seq_len, d).to(dev)
     ws = kernels.decode_workspace_size(1, hq, hkv, d, max_seq_len)
     workspace = torch.zeros(max((ws + 3) // 4, 1), device=dev, dtype=torch.float32)
     x0 = torch.randn(1, hidden, device=dev, dtype=dt)
@@ -96,6 +100,17 @@ def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool
                 x = x if "down" in skipped else kernels.gemv(gate_up, lw["down"], activation="silu")
         return x
 
+    return step, weights[0]
+
+
+def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool = True,
+         skip_sets: tuple[frozenset[str], ...] = (), attn_splits: int = 0, max_seq_len: int | None = None) -> dict:
+    """Time one shape's chain with PDL off and on; returns one result row. gated: the activation at the
+    gate_up projection's outputs (the engine's default), else in the down projection. skip_sets: further
+    ablations leaving out several kernels at once; attn_splits: decode attention's split count (0: auto);
+    max_seq_len: as in build_chain."""
+    hkv, d = SHAPES[name][2], SHAPES[name][3]
+    step, lw = build_chain(name, context, layers, gated, attn_splits, max_seq_len)
     us, outs = {}, {}
     for label, on in (("off", False), ("on", True)):
         previous = kernels.set_pdl(on)
@@ -113,7 +128,6 @@ def case(name: str, context: int, layers: int, ablate: bool = False, gated: bool
     for skip_set in skip_sets:
         graph, _ = capture_graph(lambda skip_set=skip_set: step(skip_set))
         marginal["+".join(sorted(skip_set))] = us["on"] - cuda_time_ms(graph.replay, warmup=5, iters=50) * 1e3 / layers
-    lw = weights[0]
     nbytes = sum(t.numel() * t.element_size() for key, t in lw.items() if t is not None and "cache" not in key)
     nbytes += 2 * context * hkv * d * 2  # K and V rows read
     return {"shape": name, "mlp": "act at gate_up" if gated else "act in down", "context": context,
@@ -132,6 +146,8 @@ def main() -> int:
     parser.add_argument("--skip-sets", default="", help="comma-separated kernel sets joined by '+' to leave out "
                         "together (e.g. norm_in+norm_post), with --ablate")
     parser.add_argument("--attn-splits", type=int, default=0, help="decode attention splits (0: automatic)")
+    parser.add_argument("--max-seq-len", type=int, help="size the split-KV grid for this length, as the engine "
+                        "does for max_model_len (default: the context)")
     args = parser.parse_args()
     skip_sets = tuple(frozenset(part.split("+")) for part in args.skip_sets.split(",") if part)
     unknown = {k for ks in skip_sets for k in ks} - set(KERNELS)
@@ -142,7 +158,7 @@ def main() -> int:
     torch.manual_seed(0)
     shapes = [args.shape] if args.shape else list(SHAPES)
     rows = [case(name, args.context, args.layers, args.ablate and gated, gated,
-                 skip_sets if args.ablate and gated else (), args.attn_splits) for name in shapes
+                 skip_sets if args.ablate and gated else (), args.attn_splits, args.max_seq_len) for name in shapes
             for gated in (True, False)]
     print(f"batch-1 decode layer (8 kernels), bf16, context {args.context}, CUDA graph of {args.layers} layers; "
           f"floor = weight + KV bytes at {H200.bandwidth / 1e9:,.0f} GB/s")

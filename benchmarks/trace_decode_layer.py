@@ -2,8 +2,8 @@
 
 Per-kernel profiler durations overlap under PDL and do not say what waits for what. A library built with
 `-DWLLM_TRACE` records, for thread 0 of every CTA of a PDL kernel, %globaltimer when the CTA starts and
-when its pdl_wait() returns. This script replays the Llama-3.1-8B decode layer chain (the engine's
-kernels, as in kernels_pdl.py, with the engine's split-KV sizing for `--max-seq-len`) in a CUDA graph,
+when its pdl_wait() returns. This script replays the Llama-3.1-8B decode layer chain (kernels_pdl.py's
+`build_chain`: the engine's kernels, with the engine's split-KV sizing for `--max-seq-len`) in a CUDA graph,
 reads the records and prints, per kernel of a layer averaged over the middle layers: the first and last
 CTA start and the first and last wait release (us from the layer's first CTA). A kernel's work after
 its wait ends roughly where the next kernel's wait releases.
@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -34,45 +36,13 @@ def record(layers: int, context: int, max_seq_len: int) -> np.ndarray:
     """Replay the chain once in a graph (after warm-up) and return the raw records [n, 2] (tag, time)."""
     import torch
 
-    from wllm import kernels
     from wllm.engine.cuda_graphs import capture_graph
 
-    hidden, hq, hkv, d, inter, block = 4096, 32, 8, 128, 14336, 16
-    dt, dev = torch.bfloat16, "cuda"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernels_pdl import build_chain
+
     torch.manual_seed(0)
-
-    def w(n: int, k: int) -> torch.Tensor:
-        return torch.randn(n, k, device=dev, dtype=dt) * k**-0.5
-
-    blocks = (max_seq_len + block - 1) // block
-    ones = torch.ones(hidden, device=dev, dtype=dt)
-    weights = [{"norm_in": ones, "norm_post": ones.clone(),
-                "qkv": w((hq + 2 * hkv) * d, hidden), "o": w(hidden, hq * d), "gate_up": w(2 * inter, hidden),
-                "down": w(hidden, inter),
-                "k_cache": torch.randn(blocks + 1, block, hkv, d, device=dev, dtype=dt),
-                "v_cache": torch.randn(blocks + 1, block, hkv, d, device=dev, dtype=dt)} for _ in range(layers)]
-    tables = torch.randperm(blocks + 1, device=dev)[:blocks].to(torch.int32).view(1, blocks)
-    seq_lens = torch.tensor([context], device=dev, dtype=torch.int32)
-    positions = torch.tensor([context - 1], device=dev, dtype=torch.int64)
-    slots = (tables[0, (context - 1) // block].long() * block + (context - 1) % block).view(1)
-    cos_sin = kernels.rotary_cos_sin_cache(max_seq_len, d).to(dev)
-    ws = kernels.decode_workspace_size(1, hq, hkv, d, max_seq_len)
-    workspace = torch.zeros(max((ws + 3) // 4, 1), device=dev, dtype=torch.float32)
-    x0 = torch.randn(1, hidden, device=dev, dtype=dt)
-
-    def step() -> torch.Tensor:
-        x, residual = x0.clone(), torch.zeros_like(x0)
-        for lw in weights:
-            kernels.fused_add_rms_norm(x, residual, lw["norm_in"], 1e-6)
-            q, k, v = (t.view(1, -1, d) for t in kernels.gemv(x, lw["qkv"]).split([hq * d, hkv * d, hkv * d], dim=-1))
-            kernels.rotary_and_cache(positions, q, k, v, lw["k_cache"], lw["v_cache"], slots, cos_sin, True)
-            attn = kernels.paged_decode_attention(q, lw["k_cache"], lw["v_cache"], tables, seq_lens, d**-0.5,
-                                                  max_seq_len=max_seq_len, workspace=workspace)
-            x = kernels.gemv(attn.reshape(1, hq * d), lw["o"])
-            kernels.fused_add_rms_norm(x, residual, lw["norm_post"], 1e-6)
-            x = kernels.gemv(kernels.gemv(x, lw["gate_up"], output_activation="silu"), lw["down"])
-        return x
-
+    step, _ = build_chain("llama-3.1-8b", context, layers, max_seq_len=max_seq_len)
     graph, _ = capture_graph(step)
     lib = ctypes.CDLL(os.environ["WLLM_KERNEL_LIBRARY"])
     if not hasattr(lib, "wllm_trace_dump_gemv"):
