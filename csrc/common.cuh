@@ -96,13 +96,9 @@ __device__ __forceinline__ void trace_event(int family, int event) {
                         ((unsigned long long)(blockIdx.z & 0xff) << 48) | ((unsigned long long)(smid & 0xff) << 56);
   g_trace_recs[2 * i + 1] = t;
 }
-#ifdef _WIN32
-#define WLLM_TRACE_EXPORT extern "C" __declspec(dllexport)
-#else
-#define WLLM_TRACE_EXPORT extern "C" __attribute__((visibility("default")))
-#endif
+// Exported like the API (api.h), with the leg's symbol suffix, so a multi-leg trace build links.
 #define WLLM_TRACE_TU(name)                                                                              \
-  WLLM_TRACE_EXPORT int wllm_trace_dump_##name(void* dst, int max) {                                     \
+  WLLM_API int WLLM_FN(wllm_trace_dump_##name)(void* dst, int max) {                                     \
     unsigned int n = 0;                                                                                \
     cudaDeviceSynchronize();                                                                           \
     cudaMemcpyFromSymbol(&n, g_trace_n, sizeof(n));                                                    \
