@@ -62,7 +62,7 @@ def engine_owners(engine: LLMEngine, caller: list[Any]) -> dict[int, str]:
         mark(group.__dict__, "RequestGroup objects")
         mark(group.seqs, "RequestGroup.seqs")
         for seq in group.seqs:
-            for name in ("prompt_token_ids", "output_token_ids", "all_token_ids", "block_hashes", "blocks",
+            for name in ("prompt_token_ids", "output_token_ids", "block_hashes", "blocks",
                          "_block_ids", "swapped_cpu_blocks", "logprobs"):
                 mark(getattr(seq, name, None), f"Sequence.{name}")
             mark(seq, "Sequence objects")
