@@ -84,11 +84,6 @@ class Sequence:
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt and output ids in one new list (a copy: for inspection, not for the step loop)."""
-        return [*self.prompt_token_ids, *self.output_token_ids]
-
     def token_ids(self, start: int, end: int) -> Seq[int]:
         """The ids at positions [start, end) of prompt + outputs (a step's input chunk), in a new object:
         a list slice of the outputs, or a tuple where it covers prompt tokens (sliced from the prompt
