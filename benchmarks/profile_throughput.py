@@ -149,7 +149,43 @@ def main() -> None:
     print("top kernels:")
     for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {name[:80]:80} {us / 1e6:8.3f} s")
+    print_by_step_kind(prof)
     print_gaps(prof)
+
+
+def print_by_step_kind(prof: profile) -> None:
+    """GPU kernel time by family, split between steps with prefill tokens and pure decode steps.
+
+    Each step's kernels end with its sampler (`sample_kernel`); a step that ran the prefill attention
+    kernel had prefill tokens. The GEMM kernels' names (cuBLAS tile configurations) are listed per kind,
+    since decode (M = batch) and prefill (M = step tokens) GEMMs run different ones."""
+    spans = sorted((e.time_range.start, e.name, getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0))
+                   for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    totals: dict[str, dict[str, float]] = {"prefill/mixed": defaultdict(float), "decode": defaultdict(float)}
+    gemms: dict[str, dict[str, list[float]]] = {"prefill/mixed": defaultdict(list), "decode": defaultdict(list)}
+    steps = {"prefill/mixed": 0, "decode": 0}
+    seg: list[tuple[str, float]] = []
+    for _, name, us in spans:
+        seg.append((name, us))
+        if "sample_kernel" not in name:
+            continue
+        kind = "prefill/mixed" if any(family(n) == "prefill attention" for n, _ in seg) else "decode"
+        steps[kind] += 1
+        for n, t in seg:
+            totals[kind][family(n)] += t
+            if family(n) == "gemm":
+                gemms[kind][n].append(t)
+        seg = []
+    print("GPU time by step kind (s; steps split at each sampler launch):")
+    fams = sorted({f for k in totals.values() for f in k}, key=lambda f: -sum(t[f] for t in totals.values()))
+    print(f"  {'family':20} " + " ".join(f"{k:>14}" for k in totals))
+    for f in fams:
+        print(f"  {f:20} " + " ".join(f"{totals[k][f] / 1e6:14.3f}" for k in totals))
+    print(f"  {'steps':20} " + " ".join(f"{steps[k]:14d}" for k in totals))
+    for kind, by in gemms.items():
+        print(f"GEMM kernels in {kind} steps (calls, total s, mean us):")
+        for n, ts in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:8]:
+            print(f"  {n[:90]:90} {len(ts):6d} {sum(ts) / 1e6:8.3f} {sum(ts) / len(ts):9.1f}")
 
 
 def print_gaps(prof: profile, edges_us: tuple[float, ...] = (10, 100, 1000), per: int = 1) -> None:

@@ -1,0 +1,95 @@
+"""cuBLAS GEMM efficiency at the batch sizes the engine runs: the linear layers of a model shape,
+M tokens at a time (M = batch for decode steps, step tokens for prefill), against the floor
+max(FLOPs / peak, bytes / bandwidth) from the H200's measured ceilings (wllm.bench.floors).
+
+The offline throughput run spends most of its time in these GEMMs: ~16 steps of ~8k tokens and
+~128 decode steps of ~240 rows (8B). This prints, per M, the time of one decoder layer's four
+projections and the lm_head, and how far each is from its floor. Weights rotate over enough
+copies that none is served from L2. `--blas cublaslt` uses torch's cuBLASLt path instead.
+
+    python benchmarks/gemm_shapes.py [--shape llama-3.1-8b] [--m 64,128,256,...] [--blas cublas|cublaslt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from wllm.bench.floors import H200
+from wllm.bench.shapes import resolve_shape
+from wllm.bench.timing import cuda_time_ms
+
+L2_BYTES = 64 << 20  # more than the H200's 50 MB L2
+
+
+def projections(shape_name: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear layer of one decoder layer, plus the lm_head."""
+    cfg = resolve_shape(shape_name).hf_config
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads", heads)
+    d = cfg.get("head_dim") or h // heads
+    return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * inter, h),
+            "down": (h, inter), "lm_head": (cfg["vocab_size"], h)}
+
+
+def _rotating_linear(x: torch.Tensor, ws: list[torch.Tensor]):  # noqa: ANN202
+    """A callable running x @ W.T with the next of the weight copies each time."""
+    i = [0]
+
+    def call() -> None:
+        i[0] = (i[0] + 1) % len(ws)
+        F.linear(x, ws[i[0]])
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--m", default="16,64,128,192,240,256,320,384,512,1024,2048,4096,8192")
+    parser.add_argument("--blas", choices=["cublas", "cublaslt"], default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
+    dtype = torch.bfloat16
+    projs = projections(args.shape)
+    ms = [int(x) for x in args.m.split(",")]
+    weights = {}
+    for name, (n, k) in projs.items():
+        copies = max(1, -(-2 * L2_BYTES // (n * k * 2)))
+        weights[name] = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    results = []
+    print(f"{args.shape}, bf16, blas={torch.backends.cuda.preferred_blas_library()}; "
+          f"floor = max(FLOPs / {H200.flops / 1e12:.0f} TFLOP/s, bytes / {H200.bandwidth / 1e9:,.0f} GB/s)")
+    print(f"{'M':>6} " + " ".join(f"{n + ' us':>12} {'%':>4}" for n in projs) + f" {'layer us':>9} {'%':>4}")
+    for m in ms:
+        row = {"m": m}
+        layer_t = layer_floor = 0.0
+        cells = []
+        for name, (n, k) in projs.items():
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            t = cuda_time_ms(_rotating_linear(x, weights[name]), warmup=3, iters=20) * 1e3
+            flops = 2.0 * m * n * k
+            nbytes = 2.0 * (n * k + m * k + m * n)
+            floor = max(flops / H200.flops, nbytes / H200.bandwidth) * 1e6
+            row[name] = {"us": t, "floor_us": floor, "tflops": flops / t / 1e6}
+            cells.append(f"{t:12.1f} {100 * floor / t:4.0f}")
+            if name != "lm_head":
+                layer_t += t
+                layer_floor += floor
+        row["layer_us"], row["layer_floor_us"] = layer_t, layer_floor
+        results.append(row)
+        print(f"{m:6d} " + " ".join(cells) + f" {layer_t:9.1f} {100 * layer_floor / layer_t:4.0f}")
+    if args.json:
+        print(json.dumps({"shape": args.shape, "rows": results}))
+
+
+if __name__ == "__main__":
+    main()
