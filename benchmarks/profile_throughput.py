@@ -13,6 +13,7 @@ ignored, greedy) on random weights in a real shape through `LLMEngine.step()`, a
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections import defaultdict
 
@@ -76,6 +77,18 @@ def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool) 
         return update(out, results)
 
     sched.update_from_output = spy
+    collections: list[tuple[int, float, int]] = []  # (generation, ms, step index) of each cyclic GC
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], 1e3 * (time.perf_counter() - gc_start[0]),
+                                sum(len(v) for v in kinds.values())))
+
+    if record:
+        gc.callbacks.append(on_gc)
     _sync()
     start = time.perf_counter()
     try:
@@ -95,8 +108,10 @@ def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool) 
     finally:
         torch.cuda.Stream.synchronize = orig
         del sched.update_from_output  # the instance attribute shadowed the method
+        if on_gc in gc.callbacks:
+            gc.callbacks.remove(on_gc)
     wall = time.perf_counter() - start
-    return wall, {"kinds": kinds, "tokens": tokens, "seqs": seqs, "sync_wait": sync_wait[0]}
+    return wall, {"kinds": kinds, "tokens": tokens, "seqs": seqs, "sync_wait": sync_wait[0], "gc": collections}
 
 
 def main() -> None:
@@ -125,6 +140,11 @@ def main() -> None:
         print(f"{kind:15} {n:6d} {sum(times):8.3f} {1e3 * sum(times) / n:8.2f} {info['tokens'][kind]:8d} "
               f"{info['seqs'][kind] / n:9.1f}")
     steps = [(dt, kind, i) for kind, times in info["kinds"].items() for i, dt in enumerate(times)]
+    for gen in range(3):
+        ms = [c[1] for c in info["gc"] if c[0] == gen]
+        print(f"cyclic GC generation {gen}: {len(ms)} collections, {sum(ms):.1f} ms"
+              + (f" (ms @ step: {', '.join(f'{c[1]:.1f} @ {c[2]}' for c in info['gc'] if c[0] == gen)})"
+                 if gen == 2 else ""))
     print("slowest steps (ms, kind, index within its kind): "
           + ", ".join(f"{dt * 1e3:.1f} {kind} #{i}" for dt, kind, i in sorted(steps, reverse=True)[:8]))
     if args.no_profile:
