@@ -5,9 +5,10 @@ max(FLOPs / peak, bytes / bandwidth) from the H200's measured ceilings (wllm.ben
 The offline throughput run spends most of its time in these GEMMs: ~16 steps of ~8k tokens and
 ~128 decode steps of ~240 rows (8B). This prints, per M, the time of one decoder layer's four
 projections and the lm_head, and how far each is from its floor. Weights rotate over enough
-copies that none is served from L2. `--blas cublaslt` uses torch's cuBLASLt path instead.
+copies that none is served from L2. `--blas cublaslt` uses torch's cuBLASLt path, `--blas both`
+times each M under both libraries in one process.
 
-    python benchmarks/gemm_shapes.py [--shape llama-3.1-8b] [--m 64,128,256,...] [--blas cublas|cublaslt]
+    python benchmarks/gemm_shapes.py [--shape llama-3.1-8b] [--m 64,128,256,...] [--blas cublas|cublaslt|both]
 """
 
 from __future__ import annotations
@@ -51,13 +52,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--m", default="16,64,128,192,240,256,320,384,512,1024,2048,4096,8192")
-    parser.add_argument("--blas", choices=["cublas", "cublaslt"], default=None)
+    parser.add_argument("--blas", choices=["cublas", "cublaslt", "both"], default=None,
+                        help="torch's BLAS library (default: torch's own choice); both: each M under each")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    if args.blas:
-        torch.backends.cuda.preferred_blas_library(args.blas)
+    libraries = ["cublas", "cublaslt"] if args.blas == "both" else [args.blas]
     dtype = torch.bfloat16
     projs = projections(args.shape)
     ms = [int(x) for x in args.m.split(",")]
@@ -66,11 +67,15 @@ def main() -> None:
         copies = max(1, -(-2 * L2_BYTES // (n * k * 2)))
         weights[name] = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
     results = []
-    print(f"{args.shape}, bf16, blas={torch.backends.cuda.preferred_blas_library()}; "
-          f"floor = max(FLOPs / {H200.flops / 1e12:.0f} TFLOP/s, bytes / {H200.bandwidth / 1e9:,.0f} GB/s)")
-    print(f"{'M':>6} " + " ".join(f"{n + ' us':>12} {'%':>4}" for n in projs) + f" {'layer us':>9} {'%':>4}")
-    for m in ms:
-        row = {"m": m}
+    print(f"{args.shape}, bf16; floor = max(FLOPs / {H200.flops / 1e12:.0f} TFLOP/s, "
+          f"bytes / {H200.bandwidth / 1e9:,.0f} GB/s)")
+    head = " ".join(f"{n + ' us':>12} {'%':>4}" for n in projs)
+    print(f"{'M':>6} {'blas':>9} {head} {'layer us':>9} {'%':>4}")
+    for m, lib in ((m, lib) for m in ms for lib in libraries):
+        if lib:
+            torch.backends.cuda.preferred_blas_library(lib)
+        in_use = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
+        row = {"m": m, "blas": in_use}
         layer_t = layer_floor = 0.0
         cells = []
         for name, (n, k) in projs.items():
@@ -86,7 +91,7 @@ def main() -> None:
                 layer_floor += floor
         row["layer_us"], row["layer_floor_us"] = layer_t, layer_floor
         results.append(row)
-        print(f"{m:6d} " + " ".join(cells) + f" {layer_t:9.1f} {100 * layer_floor / layer_t:4.0f}")
+        print(f"{m:6d} {in_use:>9} " + " ".join(cells) + f" {layer_t:9.1f} {100 * layer_floor / layer_t:4.0f}")
     if args.json:
         print(json.dumps({"shape": args.shape, "rows": results}))
 

@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from wllm import LLM, SamplingParams
 
@@ -46,7 +46,8 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool) -> tuple[float, dict]:
+def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool,
+                 mark: bool = False) -> tuple[float, dict]:
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -95,7 +96,11 @@ def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool) 
         while engine.has_unfinished():
             last[0] = None
             t0 = time.perf_counter()
-            engine.step()
+            if mark:  # a named range per step() call, for the host view of the GPU gaps
+                with record_function(f"step() #{sum(len(v) for v in kinds.values())}"):
+                    engine.step()
+            else:
+                engine.step()
             dt = time.perf_counter() - t0
             out = last[0]
             if out is None or not out.seqs:
@@ -140,18 +145,18 @@ def main() -> None:
         print(f"{kind:15} {n:6d} {sum(times):8.3f} {1e3 * sum(times) / n:8.2f} {info['tokens'][kind]:8d} "
               f"{info['seqs'][kind] / n:9.1f}")
     steps = [(dt, kind, i) for kind, times in info["kinds"].items() for i, dt in enumerate(times)]
-    for gen in range(3):
-        ms = [c[1] for c in info["gc"] if c[0] == gen]
-        print(f"cyclic GC generation {gen}: {len(ms)} collections, {sum(ms):.1f} ms"
-              + (f" (ms @ step: {', '.join(f'{c[1]:.1f} @ {c[2]}' for c in info['gc'] if c[0] == gen)})"
-                 if gen == 2 else ""))
+    for generation in range(3):
+        ms = [c[1] for c in info["gc"] if c[0] == generation]
+        at = ", ".join(f"{c[1]:.1f} @ {c[2]}" for c in info["gc"] if c[0] == generation)
+        print(f"cyclic GC generation {generation}: {len(ms)} collections, {sum(ms):.1f} ms"
+              + (f" (ms @ step: {at})" if generation == 2 else ""))
     print("slowest steps (ms, kind, index within its kind): "
           + ", ".join(f"{dt * 1e3:.1f} {kind} #{i}" for dt, kind, i in sorted(steps, reverse=True)[:8]))
     if args.no_profile:
         return
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        run_workload(llm, prompts(args.requests), args.output, record=False)
+        run_workload(llm, prompts(args.requests), args.output, record=False, mark=True)
         pwall = time.perf_counter() - t0
     by_family: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
@@ -171,6 +176,37 @@ def main() -> None:
         print(f"  {name[:80]:80} {us / 1e6:8.3f} s")
     print_by_step_kind(prof)
     print_gaps(prof)
+    print_host_in_gaps(prof)
+
+
+def print_host_in_gaps(prof: profile, top: int = 6, min_us: float = 500.0) -> None:
+    """What the host was doing while the GPU idled: for each of the largest gaps between kernels, the
+    step() call and the host calls (CUDA runtime calls, torch ops) over `min_us` that overlap it; then
+    the longest CUDA runtime calls of the run."""
+    cuda_spans, host = [], []
+    for e in prof.events():
+        a, b = e.time_range.start, e.time_range.end
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            cuda_spans.append((a, b))
+        elif b - a >= min_us:
+            host.append((a, b, e.name))
+    if not cuda_spans:
+        return
+    cuda_spans.sort()
+    t_first = cuda_spans[0][0]
+    gaps, end = [], cuda_spans[0][1]
+    for a, b in cuda_spans[1:]:
+        if a > end:
+            gaps.append((a - end, end, a))
+        end = max(end, b)
+    print(f"host calls over {min_us / 1e3:.1f} ms overlapping the largest GPU gaps (ms from the first kernel):")
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"  gap {g / 1e3:.1f} ms at {(a - t_first) / 1e3:.1f}:")
+        for ha, hb, name in sorted(h for h in host if h[0] < b and h[1] > a):
+            print(f"    {(ha - t_first) / 1e3:9.1f} +{(hb - ha) / 1e3:7.1f}  {name[:70]}")
+    runtime = sorted(((hb - ha, name, ha) for ha, hb, name in host if name.startswith("cuda")), reverse=True)
+    print("longest CUDA runtime calls (ms, at ms): "
+          + ", ".join(f"{name} {d / 1e3:.1f} @ {(ha - t_first) / 1e3:.0f}" for d, name, ha in runtime[:10]))
 
 
 def print_by_step_kind(prof: profile) -> None:
