@@ -87,17 +87,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # processing the first one's tokens, so the GPU does not wait for the host (see llm_engine.py).
     # Outputs are identical with it on or off; the PyTorch path (CPU engines) always runs in step.
     async_scheduling: bool = True
-    # CUDA: the library torch's dense GEMMs (every projection of a step with more than two rows) go
-    # through. "auto" picks cuBLASLt on Hopper (SM 9.x), where it ran the 8B shapes' projections 8-12%
-    # faster than torch's default cuBLAS path (benchmarks/gemm_shapes.py), and leaves torch's default
-    # elsewhere. torch's setting is process-wide, so the last engine built decides it.
-    gemm_library: Literal["auto", "cublas", "cublaslt"] = "auto"
 
     def validate(self) -> None:
         self.cache.validate()
         self.scheduler.validate()
-        if self.gemm_library not in ("auto", "cublas", "cublaslt"):
-            raise ValueError(f"gemm_library must be 'auto', 'cublas' or 'cublaslt', got {self.gemm_library!r}")
 
 
 def engine_config_from_kwargs(**kwargs: object) -> EngineConfig:

@@ -145,8 +145,7 @@ class LLMEngine:
         max_len = sched.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         self.runner = ModelRunner(model, self.config.cache, sched.max_num_batched_tokens, dtype,
                                   max_num_seqs=sched.max_num_seqs, max_model_len=max_len,
-                                  enforce_eager=self.config.enforce_eager,
-                                  gemm_library=self.config.gemm_library)
+                                  enforce_eager=self.config.enforce_eager)
         self.scheduler = Scheduler(sched, self.config.cache, self.runner.num_gpu_blocks,
                                    self.runner.num_cpu_blocks, max_len, self.eos_token_ids)
         self._rng = random.Random(self.config.seed)

@@ -61,29 +61,12 @@ class StepHandle:
         self.results = results
 
 
-def select_gemm_library(choice: str, device: torch.device) -> str | None:
-    """Point torch's dense GEMMs at cuBLAS or cuBLASLt for a CUDA engine (see EngineConfig.gemm_library).
-
-    Returns the library in use ("cublas" / "cublaslt"), None off CUDA. "auto" sets cuBLASLt on SM 9.x
-    only, where it was measured faster, and leaves torch's setting alone elsewhere."""
-    if device.type != "cuda":
-        return None
-    if choice == "auto":
-        major, _ = torch.cuda.get_device_capability(device)
-        choice = "cublaslt" if major == 9 else ""
-    if choice:
-        torch.backends.cuda.preferred_blas_library(choice)
-    in_use = str(torch.backends.cuda.preferred_blas_library()).rsplit(".", 1)[-1].lower()
-    logger.info("GEMMs on %s: %s", device, in_use)
-    return in_use
-
-
 class ModelRunner:
     """Holds the model, its paged KV cache and the swap pool; executes steps."""
 
     def __init__(self, model: nn.Module, cache_config: CacheConfig, max_num_batched_tokens: int,
                  dtype: torch.dtype | None = None, *, max_num_seqs: int = 256, max_model_len: int | None = None,
-                 enforce_eager: bool = False, gemm_library: str = "auto") -> None:
+                 enforce_eager: bool = False) -> None:
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "num_hidden_layers"):
             raise TypeError(f"{type(model).__name__} has no `config` with the layer shapes the KV cache needs")
@@ -97,8 +80,6 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 2048
         self.use_cuda_kernels = self._cuda_kernels_usable()
-        # Before the profiling forward and the graph captures, which both record GEMMs.
-        self.gemm_library = select_gemm_library(gemm_library, self.device)
         self.block_bytes = kv_cache_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
                                                     self.head_dim, self.dtype)
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._blocks_from_memory(

@@ -90,8 +90,6 @@ def register(subparsers: Any) -> None:
     eng.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                      help="CUDA: finish each decode step on the host before launching the next "
                           "(default: launch the next step first, so the GPU does not wait for the host)")
-    eng.add_argument("--gemm-library", default="auto", choices=["auto", "cublas", "cublaslt"],
-                     help="CUDA: the library torch's GEMMs use (auto: cuBLASLt on Hopper, torch's default elsewhere)")
     eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse KV cache blocks of shared prompt prefixes")
 
@@ -161,7 +159,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     engine = LLMEngine.from_pretrained(
         source, tokenizer=args.tokenizer, load_format=args.load_format, revision=args.revision,
         device=_resolve_device(args.device), dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, gemm_library=args.gemm_library,
+        async_scheduling=args.async_scheduling,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
