@@ -162,6 +162,9 @@ def test_bad_inputs_are_clear_errors() -> None:
         kernels.paged_prefill_attention(*base, sliding_window=-1)
     with pytest.raises(ValueError, match="seq_lens is on meta"):
         kernels.paged_prefill_attention(*base[:4], case.seq_lens.to("meta"), *base[5:])
+    for scale in (0.0, -0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            kernels.paged_prefill_attention(*base[:6], scale)
 
 
 # ------------------------------------------------------------------------------------------

@@ -298,6 +298,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if window < 0 or cap < 0:
         raise ValueError(f"paged_prefill_attention: sliding_window {sliding_window} and logit_softcap "
                          f"{logit_softcap} must be positive or None")
+    if not 0.0 < scale < float("inf"):  # the CUDA kernel's softmax folds the scale into exp2 (max needs > 0)
+        raise ValueError(f"paged_prefill_attention: scale must be a positive finite number, got {scale}")
     if not q.is_cuda:
         _check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
         result = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
