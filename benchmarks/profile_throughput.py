@@ -41,6 +41,15 @@ def family(name: str) -> str:
     return "other"
 
 
+MARKS = ("step() #", "gc gen")  # record_function ranges of this script; kineto also puts them on the GPU row
+
+
+def device_events(prof: profile) -> list:
+    """The profile's kernels and copies (CUDA device events), without this script's range annotations."""
+    return [e for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(MARKS)]
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -81,14 +90,22 @@ def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool,
     collections: list[tuple[int, float, int]] = []  # (generation, ms, step index) of each cyclic GC
     gc_start = [0.0]
 
+    gc_range: list = [None]
+
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
             gc_start[0] = time.perf_counter()
+            if mark and info["generation"] == 2:  # a named range, for the host view of the GPU gaps
+                gc_range[0] = record_function("gc gen 2")
+                gc_range[0].__enter__()
         else:
             collections.append((info["generation"], 1e3 * (time.perf_counter() - gc_start[0]),
                                 sum(len(v) for v in kinds.values())))
+            if gc_range[0] is not None:
+                gc_range[0].__exit__(None, None, None)
+                gc_range[0] = None
 
-    if record:
+    if record or mark:
         gc.callbacks.append(on_gc)
     _sync()
     start = time.perf_counter()
@@ -126,6 +143,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-gc", action="store_true", help="cyclic GC off during the two timed batches")
     args = parser.parse_args()
 
     llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.6)
@@ -135,6 +153,8 @@ def main() -> None:
         return torch.randint(0, 1000, (n, args.prompt), generator=gen).tolist()
 
     run_workload(llm, prompts(32), 8, record=False)  # warm-up
+    if args.no_gc:
+        gc.disable()
     wall, info = run_workload(llm, prompts(args.requests), args.output, record=True)
     print(f"{args.shape}: {args.requests} x ({args.prompt} + {args.output}), greedy, EOS ignored")
     print(f"wall {wall:.3f} s; host waited in stream syncs {info['sync_wait']:.3f} s "
@@ -160,9 +180,7 @@ def main() -> None:
         pwall = time.perf_counter() - t0
     by_family: dict[str, float] = defaultdict(float)
     by_name: dict[str, float] = defaultdict(float)
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+    for e in device_events(prof):
         d = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
         by_family[family(e.name)] += d
         by_name[e.name] += d
@@ -186,10 +204,11 @@ def print_host_in_gaps(prof: profile, top: int = 6, min_us: float = 500.0) -> No
     cuda_spans, host = [], []
     for e in prof.events():
         a, b = e.time_range.start, e.time_range.end
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            if b - a >= min_us:
+                host.append((a, b, e.name))
+        elif not e.name.startswith(MARKS):
             cuda_spans.append((a, b))
-        elif b - a >= min_us:
-            host.append((a, b, e.name))
     if not cuda_spans:
         return
     cuda_spans.sort()
@@ -216,7 +235,7 @@ def print_by_step_kind(prof: profile) -> None:
     kernel had prefill tokens. The GEMM kernels' names (cuBLAS tile configurations) are listed per kind,
     since decode (M = batch) and prefill (M = step tokens) GEMMs run different ones."""
     spans = sorted((e.time_range.start, e.name, getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0))
-                   for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+                   for e in device_events(prof))
     totals: dict[str, dict[str, float]] = {"prefill/mixed": defaultdict(float), "decode": defaultdict(float)}
     gemms: dict[str, dict[str, list[float]]] = {"prefill/mixed": defaultdict(list), "decode": defaultdict(list)}
     steps = {"prefill/mixed": 0, "decode": 0}
@@ -248,11 +267,7 @@ def print_gaps(prof: profile, edges_us: tuple[float, ...] = (10, 100, 1000), per
     """Where the GPU idles: gaps between kernels (union of their intervals, PDL overlap included) by
     size (bucket edges in us), and the largest ones with the kernels on either side (host work shows
     up as the gaps). Totals are divided by `per` (steps, for per-step figures)."""
-    spans = []
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        spans.append((e.time_range.start, e.time_range.end, e.name))
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in device_events(prof)]
     if not spans:
         return
     spans.sort()
