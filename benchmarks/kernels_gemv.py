@@ -106,6 +106,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="rows of x (decode batch)")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--quick", action="store_true", help="only the first table (auto kernel vs cuBLAS)")
     args = kernel_bench_args(parser)
     dtype = bench_dtype(args.dtype)
 
@@ -133,6 +134,8 @@ def main() -> int:
     print("\nlinear layers of one decode step (all layers and the lm_head):")
     for (model, m), (mine, theirs) in step.items():
         print(f"  {model:<14} M={m}: ours {mine:8.1f} us, cuBLAS {theirs:8.1f} us ({theirs / mine:.2f}x)")
+    if args.quick:
+        return 0
 
     print("\ndown projection with the gated activation (x = [gate | up], silu):")
     print(f"{'model':<14}{'N x K':>13}{'M':>3}{'fused us':>9}{'act+cuBLAS':>11}{'act+gemv':>9}{'fused GB/s':>11}"

@@ -18,8 +18,12 @@
 //    every warp keeps loads in flight back to back and groups never wait for each other.
 //  - split-K kernel (more rows, odd K, misaligned pointers): ROWS rows of W per task, done by `wk` warps
 //    that split K and reduce through shared memory.
+//  - tensor-core kernel (3..16 rows of a plain x, SM 8.0+, aligned rows, K a multiple of 32): mma.sync
+//    with W as the 16-row A operand and the x rows as the n8 B operand, so the FMA rate of the kernels
+//    above (which binds them from ~4 rows on) stops mattering and one pass over W serves 16 rows.
 #include <stdint.h>
 
+#include "attention_prefill_mma.cuh"
 #include "common.cuh"
 
 namespace WLLM_NS {
@@ -42,7 +46,8 @@ enum GemvVariant {
   VARIANT_ROW_GROUP_16 = 4,
   VARIANT_ROW_GROUP_8 = 5,
   VARIANT_REG_PREFETCH = 6,  // register-prefetch kernel (M <= 2); the automatic choice where it applies
-  VARIANT_LAST = VARIANT_REG_PREFETCH
+  VARIANT_MMA = 7,           // tensor-core kernel (plain x, SM 8.0+, aligned rows, K % 32 == 0); else auto
+  VARIANT_LAST = VARIANT_MMA
 };
 
 constexpr int kRows = 2;      // rows of W per task
@@ -861,6 +866,127 @@ int launch_prefetch_lanes(GemvParams<T> p, const DeviceProps& dev, cudaStream_t 
   return launch_prefetch<T, PRO, MAXM, 32>(p, wk, dev, stream);
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Tensor-core kernel: one CTA per 16 rows of W (the m16 of mma.m16n8k16), its 8 warps taking interleaved
+// 32-wide slabs of K (warp w: slabs w, w + 8, ...; together they stream 512 contiguous bytes of each row)
+// and reducing through shared memory at the end. Rows of x are the n8 operand: up to 8 (NB = 1) or 16
+// (NB = 2) per launch. The K order inside a slab is permuted so both operands come straight from 16-byte
+// loads: lane (g, t) loads elements 8t..8t+7 of W rows g and g+8 and of x row g; for the first mma those
+// elements' pairs 0-1 / 2-3 play logical columns 2t, 2t+1 / 2t+8, 2t+9, pairs 4-5 / 6-7 the same in the
+// second. A dot product does not depend on the order of its terms, and A and B use the same order.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaUnroll = 4;  // slabs per warp in flight: 4 x 2 x 16 bytes of W per lane
+
+template <typename T, int NB>
+__global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(const GemvParams<T> p) {
+  pdl_trigger_early<PDL_GEMV>();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  __shared__ float red[kMmaWarps][NB][32][4];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const int last = p.n - 1;  // rows past n are computed from row n - 1 and never written
+  const T* wa = p.w + static_cast<int64_t>(min(row0 + g, last)) * p.ldw + 8 * t;
+  const T* wb = p.w + static_cast<int64_t>(min(row0 + g + 8, last)) * p.ldw + 8 * t;
+  const int slabs = p.k >> 5;
+  constexpr int kStride = kMmaWarps * kMmaUnroll;  // slabs between one warp's consecutive groups
+  Pack<T, 8> a[kMmaUnroll], b[kMmaUnroll];
+  // The first group of W before the wait: no kernel of the chain writes weights.
+#pragma unroll
+  for (int u = 0; u < kMmaUnroll; ++u) {
+    const int s = warp + u * kMmaWarps;
+    if (s < slabs) {
+      a[u].load_weight(wa + s * 32);
+      b[u].load_weight(wb + s * 32);
+    }
+  }
+  pdl_wait_and_trigger<PDL_GEMV>();
+  const T* xr[NB];
+  bool xok[NB];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int n = nb * 8 + g;
+    xok[nb] = n < p.m;
+    xr[nb] = p.x + static_cast<int64_t>(xok[nb] ? n : 0) * p.ldx + 8 * t;
+  }
+  float acc[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) acc[nb][0] = acc[nb][1] = acc[nb][2] = acc[nb][3] = 0.0f;
+  for (int s0 = warp; s0 < slabs; s0 += kStride) {
+    Pack<T, 8> ca[kMmaUnroll], cb[kMmaUnroll];
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      ca[u] = a[u];
+      cb[u] = b[u];
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {  // the next group's W, in flight while this one computes
+      const int s = s0 + kStride + u * kMmaWarps;
+      if (s < slabs) {
+        a[u].load_weight(wa + s * 32);
+        b[u].load_weight(wb + s * 32);
+      }
+    }
+    uint4 xv[kMmaUnroll][NB];  // this group's x, all loads issued before the first mma
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int s = s0 + u * kMmaWarps;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        xv[u][nb] = make_uint4(0u, 0u, 0u, 0u);
+        if (s < slabs && xok[nb]) xv[u][nb] = __ldg(reinterpret_cast<const uint4*>(xr[nb] + s * 32));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      if (s0 + u * kMmaWarps >= slabs) break;  // warp-uniform: all lanes run the same mma sequence
+      const uint32_t lo[4] = {ca[u].v.x, cb[u].v.x, ca[u].v.y, cb[u].v.y};
+      const uint32_t hi[4] = {ca[u].v.z, cb[u].v.z, ca[u].v.w, cb[u].v.w};
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        prefill::Mma<T>::run(acc[nb], lo, xv[u][nb].x, xv[u][nb].y);
+        prefill::Mma<T>::run(acc[nb], hi, xv[u][nb].z, xv[u][nb].w);
+      }
+    }
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) red[warp][nb][lane][e] = acc[nb][e];
+  }
+  __syncthreads();
+  // Thread i: row r = i % 16 of the tile, x row n = i / 16. In the accumulators, (row g (+8), x rows
+  // 2t, 2t + 1) of n-block nb sit in lane 4g + t, elements 0, 1 (2, 3 for row g + 8).
+  const int i = threadIdx.x;
+  if (i < 16 * 8 * NB) {
+    const int r = i & 15, n = i >> 4;
+    const int nn = n & 7;
+    const int src_lane = (r & 7) * 4 + (nn >> 1), e = (r >> 3) * 2 + (nn & 1);
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) sum += red[w][n >> 3][src_lane][e];
+    const int row = row0 + r;
+    if (row < p.n && n < p.m) {
+      if (p.bias != nullptr) sum += Conv<T>::to_float(p.bias[row]);
+      p.out[static_cast<int64_t>(n) * p.ldo + row] = Conv<T>::from_float(sum);
+    }
+  }
+#endif
+}
+
+// Tensor-core kernel: up to 16 rows of a plain x; the caller checked SM 8.0+, alignment and K % 32.
+template <typename T>
+int launch_mma(const GemvParams<T>& p, cudaStream_t stream) {
+  const dim3 grid((p.n + 15) / 16);
+  if (p.m <= 8) {
+    launch_pdl(gemv_mma_kernel<T, 1>, grid, dim3(kMmaThreads), 0, stream, p);
+  } else {
+    launch_pdl(gemv_mma_kernel<T, 2>, grid, dim3(kMmaThreads), 0, stream, p);
+  }
+  return check_launch("gemv");
+}
+
 // Split-K kernel: chooses warps per task and CTA size, reserves shared memory, sizes the persistent grid, launches.
 template <typename T, int PRO, int MAXM, int VEC>
 int launch(GemvParams<T> p, const DeviceProps& dev, cudaStream_t stream) {
@@ -925,6 +1051,10 @@ int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceProps& dev, 
   // Long rows of a plain x (K >= 8192: Llama-3.1-8B's down projection once gate_up applies the activation)
   // measured fastest on the split-K kernel behind the kernel that writes x: 28.5 us vs 30.5-30.9 (M = 1),
   // 33.6 vs 37.6-40.5 (M = 2).
+  // 3..16 rows of a plain x (or the forced variant): the tensor-core kernel, where it can run. Its body is
+  // compiled for SM 8.0+ only, so the device check is what keeps older GPUs on the kernels below.
+  const bool mma_fits = PRO == PROLOGUE_NONE && vec && p.x_vec && p.k % 32 == 0 && p.m <= 16 && dev.major >= 8;
+  if (mma_fits && (variant == VARIANT_MMA || (variant == VARIANT_AUTO && p.m >= 3))) return launch_mma(p, stream);
   if (variant == VARIANT_AUTO && PRO == PROLOGUE_NONE && p.m <= 2 && p.k >= 8192) {
     if (p.m <= 1) return launch<T, PRO, 1, 8>(p, dev, stream);
     return launch<T, PRO, 2, 8>(p, dev, stream);

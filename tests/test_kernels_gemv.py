@@ -202,7 +202,7 @@ def test_gemv_matches_reference(dtype, k, n, m, activation) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("variant", ["split_k", "row_group_32", "row_group_16", "row_group_8", "reg_prefetch"])
+@pytest.mark.parametrize("variant", ["split_k", "row_group_32", "row_group_16", "row_group_8", "reg_prefetch", "mma"])
 @pytest.mark.parametrize("k", [72, 200, 896, 4096, 4864, 14336])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_gemv_each_variant(dtype, activation, variant, k, m) -> None:
@@ -218,12 +218,51 @@ def test_gemv_each_variant(dtype, activation, variant, k, m) -> None:
 @pytest.mark.parametrize("m,k", [(1, 8192), (2, 14336), (1, 14344), (3, 14336)])
 def test_gemv_auto_long_plain_rows_run_split_k(m, k) -> None:
     """A plain x with K >= 8192 and 1-2 rows: auto is the split-K kernel (bit-identical to the forced
-    variant, matching the reference); 3 rows stay on the row-group kernel."""
+    variant, matching the reference); 3 rows go to the tensor-core kernel (K a multiple of 32, SM 8.0+),
+    else stay on the row-group kernel."""
     x, w, b = make(m, 257, k, torch.bfloat16, None, True, device="cuda", seed=k + m)
     auto = kernels.gemv(x, w, b)
     torch.testing.assert_close(auto, reference.gemv(x, w, b), rtol=2e-2, atol=2e-2)
-    expected = "split_k" if m <= 2 else "row_group"
+    tensor_cores = k % 32 == 0 and torch.cuda.get_device_capability()[0] >= 8
+    expected = "split_k" if m <= 2 else ("mma" if tensor_cores else "row_group")
     assert torch.equal(auto, gemv_variant(x, w, b, None, expected))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [3, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(1, 32), (16, 96), (17, 4096), (4104, 896), (300, 14336)])
+def test_gemv_tensor_core_kernel(dtype, m, n, k) -> None:
+    """The tensor-core kernel (3-16 rows of a plain x per pass; more rows take several passes): N not a
+    multiple of its 16-row tiles, K from one 32-wide slab to 448 (warps with different slab counts), one
+    and two n8 blocks of x rows, bias on odd M; auto is bit-identical to the forced variant."""
+    if torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("the tensor-core kernel needs SM 8.0+")
+    x, w, b = make(m, n, k, dtype, None, m % 2 == 1, device="cuda", seed=m * 31 + n + k)
+    got = gemv_variant(x, w, b, None, "mma")
+    torch.testing.assert_close(got, reference.gemv(x, w, b), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    big = torch.zeros(m, k + 40, device="cuda", dtype=dtype)  # rows k + 40 apart (16-byte aligned)
+    big[:, 8:8 + k] = x
+    strided = kernels.gemv(big[:, 8:8 + k], w, b)
+    torch.testing.assert_close(strided, reference.gemv(x, w, b), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    if m % 16 == 0 or m % 16 >= 3:  # every pass has 3+ rows: auto runs the same kernel on each
+        assert torch.equal(got, kernels.gemv(x, w, b)) and torch.equal(got, strided)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [3, 8, 16, 17])
+def test_linear_sends_batched_decode_rows_to_the_tensor_core_kernel(rows) -> None:
+    """3..GEMV_MMA_MAX_ROWS rows with K a multiple of 32 take the skinny GEMM (and match F.linear); more
+    rows, or K not a multiple of 32, stay on cuBLAS."""
+    layer = Linear(4096, 1000, bias=True).to("cuda", torch.bfloat16)
+    layer.weight.data.normal_(std=0.02)
+    layer.bias.data.normal_()
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    expected = rows <= linear_module.GEMV_MMA_MAX_ROWS and torch.cuda.get_device_capability()[0] >= 8
+    assert layer.use_gemv(x) == expected
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
+    odd = Linear(4000, 8).to("cuda", torch.bfloat16)
+    assert not odd.use_gemv(torch.randn(rows, 4000, device="cuda", dtype=torch.bfloat16))
 
 
 @pytest.mark.cuda

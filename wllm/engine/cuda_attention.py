@@ -28,6 +28,7 @@ from torch import nn
 from wllm.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache, rotary_and_cache
 from wllm.kernels.gemv import gated_output_fits, gemv_rotary_cache
 from wllm.kernels.ops import DECODE_HEAD_SIZES, PREFILL_HEAD_SIZES
+from wllm.model.layers.linear import GEMV_MAX_ROWS
 from wllm.model.layers.rotary import RotaryEmbedding
 
 # Decode steps of one or two rows run the qkv projection, the rotary embedding and the KV-cache write as
@@ -163,6 +164,7 @@ class CudaAttentionContext:
         weight = qkv_proj.weight
         if not (FUSED_QKV_ROTARY and self.decode and type(rotary) is RotaryEmbedding
                 and weight.numel() * weight.element_size() <= FUSED_QKV_ROTARY_MAX_BYTES
+                and hidden.numel() <= GEMV_MAX_ROWS * hidden.shape[-1]  # its kernel takes 2 rows per pass over W
                 and qkv_proj.use_gemv(hidden) and gated_output_fits(weight)):
             return None
         key_cache, value_cache = self.caches[layer_idx]

@@ -25,11 +25,12 @@ _DTYPES = {torch.float16: 1, torch.bfloat16: 2}
 PROLOGUES = {None: 0, "silu": 1, "gelu_tanh": 2}
 # Kernel choice (bits 8..15 of wllm_gemv's prologue argument), for benchmarks and tests: "auto" picks the
 # register-prefetch kernel (each lane loads its first 16 chunks of W into registers before the PDL wait)
-# for 1-2 rows with 16-byte aligned weight rows, the row-group kernel (a group of 8/16/32 lanes per output
-# row, no barriers) for 3-4 such rows and the split-K kernel otherwise; a forced variant that does not
-# apply falls back (reg_prefetch with 3-4 rows to the row-group kernel).
+# for 1-2 rows with 16-byte aligned weight rows, the tensor-core kernel (mma.sync, SM 8.0+) for 3-16 rows
+# of a plain x with aligned rows and K a multiple of 32, the row-group kernel (a group of 8/16/32 lanes per
+# output row, no barriers) for other 3-4 aligned rows and the split-K kernel otherwise; a forced variant
+# that does not apply falls back (reg_prefetch with 3-4 rows to the row-group kernel, mma to auto).
 VARIANTS = {"auto": 0, "split_k": 1, "row_group": 2, "row_group_32": 3, "row_group_16": 4, "row_group_8": 5,
-            "reg_prefetch": 6}
+            "reg_prefetch": 6, "mma": 7}
 # Longest row of x (after the activation) any GPU holds in shared memory: 48 KiB of fp16/bf16.
 GEMV_MAX_IN_FEATURES = 24576
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,10 +24,21 @@ from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 # 1.03-1.16x; gate_up ties alone but with PDL the whole step gains ~1%). Elsewhere cuBLAS ties or wins
 # (anything at 4+ rows).
 GEMV_MAX_ROWS = 2
+# 3..GEMV_MMA_MAX_ROWS rows (batched decode) go to the skinny GEMM's tensor-core kernel (SM 8.0+, K a
+# multiple of 32), where cuBLAS reads the weights at 20-70% of bandwidth on the H200 (gemm_shapes.py:
+# Llama-3.1-8B's layer at M = 16 takes 223 us against 103 us for its bytes). WLLM_GEMV_MMA_MAX_ROWS=0
+# keeps those batches on cuBLAS (A/B runs).
+GEMV_MMA_MAX_ROWS = int(os.environ.get("WLLM_GEMV_MMA_MAX_ROWS", "16"))
 GEMV_SMALL_WEIGHT_BYTES = 18 << 20
 GEMV_WIDE_MIN_K = 2048
 GEMV_MAX_WEIGHT_BYTES = 256 << 20
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _tensor_cores(index: int) -> bool:
+    """The skinny GEMM's tensor-core kernel runs on this CUDA device (SM 8.0+)."""
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 class WeightShapeError(ValueError):
@@ -79,11 +92,18 @@ class Linear(nn.Module):
 
     def use_gemv(self, x: torch.Tensor, width: int | None = None) -> bool:
         """True when x (rows of `width` elements, in_features by default) should go through the
-        skinny-GEMM kernel: CUDA, fp16/bf16 like the weight, at most GEMV_MAX_ROWS rows, kernels present."""
+        skinny-GEMM kernel: CUDA, fp16/bf16 like the weight, kernels present, and either at most
+        GEMV_MAX_ROWS rows (the rules below) or up to GEMV_MMA_MAX_ROWS rows of a plain x for its
+        tensor-core kernel."""
         width = self.in_features if width is None else width
         if not (x.is_cuda and x.dtype in _GEMV_DTYPES and self.weight.dtype == x.dtype and x.shape[-1] == width
-                and 0 < x.numel() <= GEMV_MAX_ROWS * width and self.in_features <= GEMV_MAX_IN_FEATURES):
+                and 0 < x.numel() <= max(GEMV_MAX_ROWS, GEMV_MMA_MAX_ROWS) * width
+                and self.in_features <= GEMV_MAX_IN_FEATURES):
             return False
+        index = x.device.index or 0
+        if x.numel() > GEMV_MAX_ROWS * width:
+            return (width == self.in_features and self.in_features % 32 == 0 and self.weight.stride(0) % 8 == 0
+                    and _tensor_cores(index) and kernels_available(index))
         nbytes = self.weight.numel() * self.weight.element_size()
         wide_one_row = x.numel() == width and self.in_features >= GEMV_WIDE_MIN_K and nbytes <= GEMV_MAX_WEIGHT_BYTES
         return (nbytes <= GEMV_SMALL_WEIGHT_BYTES or wide_one_row) and kernels_available(x.device.index or 0)
