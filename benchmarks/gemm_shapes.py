@@ -5,8 +5,9 @@ max(FLOPs / peak, bytes / bandwidth) from the H200's measured ceilings (wllm.ben
 The offline throughput run spends most of its time in these GEMMs: ~16 steps of ~8k tokens and
 ~128 decode steps of ~240 rows (8B). This prints, per M, the time of one decoder layer's four
 projections and the lm_head, and how far each is from its floor. Weights rotate over enough
-copies that none is served from L2. `--blas cublaslt` uses torch's cuBLASLt path, `--blas both`
-times each M under both libraries in one process.
+copies that none is served from L2; each time comes from a CUDA graph of one call per copy.
+`--blas cublaslt` uses torch's cuBLASLt path, `--blas both` times each M under both libraries in one
+process.
 
     python benchmarks/gemm_shapes.py [--shape llama-3.1-8b] [--m 64,128,256,...] [--blas cublas|cublaslt|both]
 """
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from wllm.bench.floors import H200
 from wllm.bench.shapes import resolve_shape
 from wllm.bench.timing import cuda_time_ms
+from wllm.engine.cuda_graphs import capture_graph
 
 L2_BYTES = 64 << 20  # more than the H200's 50 MB L2
 
@@ -37,15 +39,13 @@ def projections(shape_name: str) -> dict[str, tuple[int, int]]:
             "down": (h, inter), "lm_head": (cfg["vocab_size"], h)}
 
 
-def _rotating_linear(x: torch.Tensor, ws: list[torch.Tensor]):  # noqa: ANN202
-    """A callable running x @ W.T with the next of the weight copies each time."""
-    i = [0]
-
-    def call() -> None:
-        i[0] = (i[0] + 1) % len(ws)
-        F.linear(x, ws[i[0]])
-
-    return call
+def linear_us(x: torch.Tensor, ws: list[torch.Tensor]) -> float:
+    """Microseconds per x @ W.T, from a CUDA graph that runs it once per weight copy: GPU time only, as the
+    engine's graphs see it (timed call by call, small M would measure cuBLAS's ~10-25 us of host work)."""
+    graph, _ = capture_graph(lambda: [F.linear(x, w) for w in ws])
+    us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / len(ws)
+    del graph
+    return us
 
 
 def main() -> None:
@@ -80,7 +80,7 @@ def main() -> None:
         cells = []
         for name, (n, k) in projs.items():
             x = torch.randn(m, k, device="cuda", dtype=dtype)
-            t = cuda_time_ms(_rotating_linear(x, weights[name]), warmup=3, iters=20) * 1e3
+            t = linear_us(x, weights[name])
             flops = 2.0 * m * n * k
             nbytes = 2.0 * (n * k + m * k + m * n)
             floor = max(flops / H200.flops, nbytes / H200.bandwidth) * 1e6

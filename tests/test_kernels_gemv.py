@@ -245,16 +245,18 @@ def test_gemv_tensor_core_kernel(dtype, m, n, k) -> None:
     big[:, 8:8 + k] = x
     strided = kernels.gemv(big[:, 8:8 + k], w, b)
     torch.testing.assert_close(strided, reference.gemv(x, w, b), rtol=TOL[dtype][0], atol=TOL[dtype][1])
-    if m % 16 == 0 or m % 16 >= 3:  # every pass has 3+ rows: auto runs the same kernel on each
+    # Passes are 16 rows where x fits the other kernels' shared memory (K = 14336: 4 rows); when every pass
+    # has 3+ rows, auto runs the tensor-core kernel on each, as the forced variant does.
+    if k <= 4096 and (m % 16 == 0 or m % 16 >= 3):
         assert torch.equal(got, kernels.gemv(x, w, b)) and torch.equal(got, strided)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [3, 8, 16, 17])
 def test_linear_sends_batched_decode_rows_to_the_tensor_core_kernel(rows) -> None:
-    """3..GEMV_MMA_MAX_ROWS rows with K a multiple of 32 take the skinny GEMM (and match F.linear); more
-    rows, or K not a multiple of 32, stay on cuBLAS."""
-    layer = Linear(4096, 1000, bias=True).to("cuda", torch.bfloat16)
+    """3..GEMV_MMA_MAX_ROWS rows with K a multiple of 32 and a small weight take the skinny GEMM (and match
+    F.linear); more rows, K not a multiple of 32 or a larger weight stay on cuBLAS."""
+    layer = Linear(4096, 1000, bias=True).to("cuda", torch.bfloat16)  # 8.2 MB
     layer.weight.data.normal_(std=0.02)
     layer.bias.data.normal_()
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
@@ -263,6 +265,8 @@ def test_linear_sends_batched_decode_rows_to_the_tensor_core_kernel(rows) -> Non
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
     odd = Linear(4000, 8).to("cuda", torch.bfloat16)
     assert not odd.use_gemv(torch.randn(rows, 4000, device="cuda", dtype=torch.bfloat16))
+    big = Linear(4096, 2048).to("cuda", torch.bfloat16)  # 16.8 MB
+    assert big.use_gemv(x) == (rows <= linear_module.GEMV_MAX_ROWS)
 
 
 @pytest.mark.cuda

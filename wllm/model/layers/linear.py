@@ -24,11 +24,13 @@ from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 # 1.03-1.16x; gate_up ties alone but with PDL the whole step gains ~1%). Elsewhere cuBLAS ties or wins
 # (anything at 4+ rows).
 GEMV_MAX_ROWS = 2
-# 3..GEMV_MMA_MAX_ROWS rows (batched decode) go to the skinny GEMM's tensor-core kernel (SM 8.0+, K a
-# multiple of 32), where cuBLAS reads the weights at 20-70% of bandwidth on the H200 (gemm_shapes.py:
-# Llama-3.1-8B's layer at M = 16 takes 223 us against 103 us for its bytes). WLLM_GEMV_MMA_MAX_ROWS=0
-# keeps those batches on cuBLAS (A/B runs).
+# 3..GEMV_MMA_MAX_ROWS rows (batched decode) of a weight up to GEMV_MMA_MAX_WEIGHT_BYTES go to the skinny
+# GEMM's tensor-core kernel (SM 8.0+, K a multiple of 32). H200, CUDA graphs (benchmarks/kernels_gemv.py,
+# RESULTS.md session 6): Qwen2.5-0.5B's qkv / o / down at 4-16 rows 1.6-1.8x / 1.6-2.1x / 1.03-1.16x of
+# cuBLAS; its 17 MB gate_up 0.80-0.92x and Llama-3.1-8B's 34-235 MB matrices 0.85-1.19x (mostly below), so
+# larger weights stay on cuBLAS. WLLM_GEMV_MMA_MAX_ROWS=0 keeps every such batch on cuBLAS (A/B runs).
 GEMV_MMA_MAX_ROWS = int(os.environ.get("WLLM_GEMV_MMA_MAX_ROWS", "16"))
+GEMV_MMA_MAX_WEIGHT_BYTES = 10 << 20
 GEMV_SMALL_WEIGHT_BYTES = 18 << 20
 GEMV_WIDE_MIN_K = 2048
 GEMV_MAX_WEIGHT_BYTES = 256 << 20
@@ -94,17 +96,17 @@ class Linear(nn.Module):
         """True when x (rows of `width` elements, in_features by default) should go through the
         skinny-GEMM kernel: CUDA, fp16/bf16 like the weight, kernels present, and either at most
         GEMV_MAX_ROWS rows (the rules below) or up to GEMV_MMA_MAX_ROWS rows of a plain x for its
-        tensor-core kernel."""
+        tensor-core kernel (weights up to GEMV_MMA_MAX_WEIGHT_BYTES)."""
         width = self.in_features if width is None else width
         if not (x.is_cuda and x.dtype in _GEMV_DTYPES and self.weight.dtype == x.dtype and x.shape[-1] == width
                 and 0 < x.numel() <= max(GEMV_MAX_ROWS, GEMV_MMA_MAX_ROWS) * width
                 and self.in_features <= GEMV_MAX_IN_FEATURES):
             return False
         index = x.device.index or 0
+        nbytes = self.weight.numel() * self.weight.element_size()
         if x.numel() > GEMV_MAX_ROWS * width:
             return (width == self.in_features and self.in_features % 32 == 0 and self.weight.stride(0) % 8 == 0
-                    and _tensor_cores(index) and kernels_available(index))
-        nbytes = self.weight.numel() * self.weight.element_size()
+                    and nbytes <= GEMV_MMA_MAX_WEIGHT_BYTES and _tensor_cores(index) and kernels_available(index))
         wide_one_row = x.numel() == width and self.in_features >= GEMV_WIDE_MIN_K and nbytes <= GEMV_MAX_WEIGHT_BYTES
         return (nbytes <= GEMV_SMALL_WEIGHT_BYTES or wide_one_row) and kernels_available(x.device.index or 0)
 
