@@ -21,8 +21,8 @@ from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 # 1-2 rows; its 17 MB gate_up: 1,193 -> 1,294 tok/s end to end once the down projection behind it could
 # load its weights before the PDL wait, which a cuBLAS predecessor does not allow), and one row when K is
 # at least GEMV_WIDE_MIN_K and the weight at most GEMV_MAX_WEIGHT_BYTES (Llama-3.1-8B's qkv, o, down
-# 1.03-1.16x; gate_up ties alone but with PDL the whole step gains ~1%). Elsewhere cuBLAS ties or wins
-# (anything at 4+ rows).
+# 1.03-1.16x; gate_up ties alone but with PDL the whole step gains ~1%). Elsewhere cuBLAS ties or beats the
+# CUDA-core kernels (anything at 4+ rows), hence the tensor-core rule below for batches.
 GEMV_MAX_ROWS = 2
 # 3..GEMV_MMA_MAX_ROWS rows (batched decode) of a weight up to GEMV_MMA_MAX_WEIGHT_BYTES go to the skinny
 # GEMM's tensor-core kernel (SM 8.0+, K a multiple of 32). H200, CUDA graphs (benchmarks/kernels_gemv.py,
@@ -108,7 +108,7 @@ class Linear(nn.Module):
             return (width == self.in_features and self.in_features % 32 == 0 and self.weight.stride(0) % 8 == 0
                     and nbytes <= GEMV_MMA_MAX_WEIGHT_BYTES and _tensor_cores(index) and kernels_available(index))
         wide_one_row = x.numel() == width and self.in_features >= GEMV_WIDE_MIN_K and nbytes <= GEMV_MAX_WEIGHT_BYTES
-        return (nbytes <= GEMV_SMALL_WEIGHT_BYTES or wide_one_row) and kernels_available(x.device.index or 0)
+        return (nbytes <= GEMV_SMALL_WEIGHT_BYTES or wide_one_row) and kernels_available(index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_gemv(x):
