@@ -69,20 +69,16 @@ def engine_owners(engine: LLMEngine, caller: list[Any]) -> dict[int, str]:
             mark(getattr(seq, "__dict__", None), "Sequence objects")
             state = seq.text_state
             if state is not None:
-                mark(state, "TextState (detokenizer)")
-                mark(state.__dict__, "TextState (detokenizer)")
+                for obj in (state, state.__dict__, state._detok, state._detok.__dict__, state._detok._text_parts):
+                    mark(obj, "TextState (detokenizer)")
                 mark(state._deferred, "TextState._deferred (final_only output ids)")
-                mark(state._detok, "TextState (detokenizer)")
-                mark(state._detok.__dict__, "TextState (detokenizer)")
                 mark(state._detok._ids, "IncrementalDetokenizer._ids")
-                mark(state._detok._text_parts, "TextState (detokenizer)")
             row = seq.sampling_row
             if row is not None:
                 mark(row, "SamplingRow objects")
     mark(sched.eos_token_ids, "scheduler: other")
-    mark(sched.running, "scheduler: running/waiting/seqs/groups")
-    mark(sched.seqs, "scheduler: running/waiting/seqs/groups")
-    mark(sched.groups, "scheduler: running/waiting/seqs/groups")
+    for obj in (sched.running, sched.seqs, sched.groups):
+        mark(obj, "scheduler: running/waiting/seqs/groups")
     pool = sched.kv.pool
     mark(pool.blocks, "BlockPool.blocks (the list)")
     mark(pool.cached, "BlockPool.cached (hash -> block)")

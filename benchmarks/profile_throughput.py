@@ -226,25 +226,13 @@ def print_host_in_gaps(prof: profile, top: int = 6, min_us: float = 500.0) -> No
     """What the host was doing while the GPU idled: for each of the largest gaps between kernels, the
     step() call and the host calls (CUDA runtime calls, torch ops) over `min_us` that overlap it; then
     the longest CUDA runtime calls of the run."""
-    cuda_spans, host = [], []
-    for e in prof.events():
-        a, b = e.time_range.start, e.time_range.end
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            if b - a >= min_us:
-                host.append((a, b, e.name))
-        elif not e.name.startswith(MARKS):
-            cuda_spans.append((a, b))
-    if not cuda_spans:
+    t_first, gaps = gpu_gaps(prof)
+    if not gaps:
         return
-    cuda_spans.sort()
-    t_first = cuda_spans[0][0]
-    gaps, end = [], cuda_spans[0][1]
-    for a, b in cuda_spans[1:]:
-        if a > end:
-            gaps.append((a - end, end, a))
-        end = max(end, b)
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type != torch.autograd.DeviceType.CUDA and e.time_range.end - e.time_range.start >= min_us]
     print(f"host calls over {min_us / 1e3:.1f} ms overlapping the largest GPU gaps (ms from the first kernel):")
-    for g, a, b in sorted(gaps, reverse=True)[:top]:
+    for g, a, b, _, _ in sorted(gaps, reverse=True)[:top]:
         print(f"  gap {g / 1e3:.1f} ms at {(a - t_first) / 1e3:.1f}:")
         for ha, hb, name in sorted(h for h in host if h[0] < b and h[1] > a):
             print(f"    {(ha - t_first) / 1e3:9.1f} +{(hb - ha) / 1e3:7.1f}  {name[:70]}")
@@ -289,30 +277,38 @@ def print_by_step_kind(prof: profile) -> dict[str, dict[str, float]]:
     return totals
 
 
-def print_gaps(prof: profile, edges_us: tuple[float, ...] = (10, 100, 1000), per: int = 1) -> None:
-    """Where the GPU idles: gaps between kernels (union of their intervals, PDL overlap included) by
-    size (bucket edges in us), and the largest ones with the kernels on either side (host work shows
-    up as the gaps). Totals are divided by `per` (steps, for per-step figures)."""
-    spans = [(e.time_range.start, e.time_range.end, e.name) for e in device_events(prof)]
+def gpu_gaps(prof: profile) -> tuple[float, list[tuple[float, float, float, str, str]]]:
+    """The first kernel's start and the GPU's idle intervals between kernels (the union of their
+    intervals, PDL overlap included): (length, start, end, kernel before, kernel after), in us."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in device_events(prof))
     if not spans:
-        return
-    spans.sort()
+        return 0.0, []
     gaps = []
     end, last = spans[0][1], spans[0][2]
     for start, stop, name in spans[1:]:
         if start > end:
-            gaps.append((start - end, last, name))
+            gaps.append((start - end, end, start, last, name))
         if stop > end:
             end, last = stop, name
+    return spans[0][0], gaps
+
+
+def print_gaps(prof: profile, edges_us: tuple[float, ...] = (10, 100, 1000), per: int = 1) -> None:
+    """Where the GPU idles: gaps between kernels (union of their intervals, PDL overlap included) by
+    size (bucket edges in us), and the largest ones with the kernels on either side (host work shows
+    up as the gaps). Totals are divided by `per` (steps, for per-step figures)."""
+    _, gaps = gpu_gaps(prof)
+    if not gaps:
+        return
     bounds = (0, *edges_us, float("inf"))
     unit = "s" if per == 1 else "us per step"
     print(f"GPU idle between kernels (us buckets: count, total {unit}):")
     for lo, hi in zip(bounds, bounds[1:]):
-        sel = [g for g, _, _ in gaps if lo <= g < hi]
+        sel = [g[0] for g in gaps if lo <= g[0] < hi]
         total = sum(sel) / 1e6 if per == 1 else sum(sel) / per
         print(f"  {lo:>5}-{hi:<6} {len(sel) / per:9.1f} {total:10.3f}")
     print("largest gaps (us, kernel before -> kernel after):")
-    for g, before, after in sorted(gaps, key=lambda t: -t[0])[:10]:
+    for g, _, _, before, after in sorted(gaps, key=lambda t: -t[0])[:10]:
         print(f"  {g:9.0f}  {before[:50]} -> {after[:50]}")
 
 
