@@ -263,8 +263,8 @@ def test_linear_sends_batched_decode_rows_to_the_tensor_core_kernel(rows) -> Non
     expected = rows <= linear_module.GEMV_MMA_MAX_ROWS and torch.cuda.get_device_capability()[0] >= 8
     assert layer.use_gemv(x) == expected
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
-    odd = Linear(4000, 8).to("cuda", torch.bfloat16)
-    assert not odd.use_gemv(torch.randn(rows, 4000, device="cuda", dtype=torch.bfloat16))
+    odd = Linear(4008, 8).to("cuda", torch.bfloat16)  # K = 4008: a multiple of 8, not of 32
+    assert not odd.use_gemv(torch.randn(rows, 4008, device="cuda", dtype=torch.bfloat16))
     big = Linear(4096, 2048).to("cuda", torch.bfloat16)  # 16.8 MB
     assert big.use_gemv(x) == (rows <= linear_module.GEMV_MAX_ROWS)
 
@@ -511,8 +511,10 @@ def test_gemv_inside_cuda_graph(activation, m, n, k) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 17])
 def test_linear_uses_gemv_for_decode_rows(rows: int, monkeypatch) -> None:
+    """A 2 MB weight with K a multiple of 32: 1-2 rows take the CUDA-core kernels, 3..GEMV_MMA_MAX_ROWS the
+    tensor-core one (SM 8.0+), more rows cuBLAS."""
     calls = []
     real = linear_module.gemv
     monkeypatch.setattr(linear_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
@@ -521,7 +523,8 @@ def test_linear_uses_gemv_for_decode_rows(rows: int, monkeypatch) -> None:
     layer.bias.data.normal_()
     x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
-    assert len(calls) == (1 if rows <= GEMV_MAX_ROWS else 0)
+    mma = rows <= linear_module.GEMV_MMA_MAX_ROWS and torch.cuda.get_device_capability()[0] >= 8
+    assert len(calls) == (1 if rows <= GEMV_MAX_ROWS or mma else 0)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
 
 
