@@ -1098,6 +1098,13 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
                 "gemv: in_features=%lld needs %zu bytes of shared memory for one row of x; this GPU allows %d",
                 (long long)k, smem_bytes(1, k_pad, sizeof(T), kMaxWarps, 1), dev.max_smem);
   }
+  // The tensor-core kernel reads x straight from global memory: where it takes the passes (launch_rows'
+  // rule), they are 16 rows whatever K is, and only a remainder of 1-2 rows that another kernel takes
+  // keeps the shared-memory limit (Llama's down projection, K = 14,336: one pass instead of four).
+  const int64_t smem_pass = per_pass;
+  const bool mma_passes = prologue == PROLOGUE_NONE && epilogue == PROLOGUE_NONE && vec && x_vec && k % 32 == 0 &&
+                          dev.major >= 8 && (variant == VARIANT_MMA || variant == VARIANT_AUTO) && m >= 3;
+  if (mma_passes) per_pass = 16;
   // Gated output: W is [gate rows | up rows]; out gets n / 2 columns. Rotary: n / 2 row pairs. Both take
   // 1-2 rows of x per pass.
   const int64_t out_n = epilogue != PROLOGUE_NONE ? n / 2 : n;
@@ -1110,13 +1117,15 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
     }
     if (per_pass > 2) per_pass = 2;
   }
-  for (int64_t m0 = 0; m0 < m; m0 += per_pass) {
+  for (int64_t m0 = 0, rows = 0; m0 < m; m0 += rows) {
     GemvParams<T> p;
     p.out = out + m0 * ldo;
     p.x = x + m0 * ldx;
     p.w = w;
     p.bias = bias;
     p.m = static_cast<int>(m - m0 < per_pass ? m - m0 : per_pass);
+    if (mma_passes && variant != VARIANT_MMA && p.m < 3 && p.m > smem_pass) p.m = static_cast<int>(smem_pass);
+    rows = p.m;
     p.n = static_cast<int>(out_n);
     p.k = static_cast<int>(k);
     p.k_pad = k_pad;

@@ -245,10 +245,29 @@ def test_gemv_tensor_core_kernel(dtype, m, n, k) -> None:
     big[:, 8:8 + k] = x
     strided = kernels.gemv(big[:, 8:8 + k], w, b)
     torch.testing.assert_close(strided, reference.gemv(x, w, b), rtol=TOL[dtype][0], atol=TOL[dtype][1])
-    # Passes are 16 rows where x fits the other kernels' shared memory (K = 14336: 4 rows); when every pass
-    # has 3+ rows, auto runs the tensor-core kernel on each, as the forced variant does.
-    if k <= 4096 and (m % 16 == 0 or m % 16 >= 3):
+    # Passes are 16 rows whatever K is (the kernel keeps x out of shared memory); when every pass has 3+
+    # rows, auto runs the tensor-core kernel on each, as the forced variant does.
+    if m % 16 == 0 or m % 16 >= 3:
         assert torch.equal(got, kernels.gemv(x, w, b)) and torch.equal(got, strided)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [17, 18, 19])
+def test_gemv_tensor_core_passes_with_a_remainder_too_wide_for_shared_memory(m) -> None:
+    """K = 57,344: one row of x fits the CUDA-core kernels' shared memory, two do not. Auto runs 16 rows on
+    tensor cores, then a remainder of 1-2 rows one row at a time; 3 rows all on tensor cores."""
+    if torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("the tensor-core kernel needs SM 8.0+")
+    if not 120 << 10 <= torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 228 << 10:
+        pytest.skip("needs shared memory for one 57,344-wide row of x but not two (H100/H200, A100)")
+    x, w, b = make(m, 17, 57344, torch.bfloat16, None, True, device="cuda", seed=m)
+    got = kernels.gemv(x, w, b)
+    torch.testing.assert_close(got, reference.gemv(x, w, b), rtol=TOL[torch.bfloat16][0],
+                               atol=4 * TOL[torch.bfloat16][1])
+    forced = gemv_variant(x, w, b, None, "mma")
+    assert torch.equal(got[:16], forced[:16])
+    if m == 19:
+        assert torch.equal(got, forced)
 
 
 @pytest.mark.cuda
