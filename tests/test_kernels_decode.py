@@ -222,6 +222,29 @@ def test_paged_decode_cuda_large_groups_window_softcap(dtype, head_size, num_hea
                                    msg=lambda m, k=splits: f"splits={k}: {m}")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 8), (64, 16, 16), (96, 24, 8)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 30.0)])
+def test_paged_decode_cuda_wide_grid(dtype, head_size, num_heads, num_kv_heads, block_size, window, softcap) -> None:
+    """A batch large enough for 8+ CTAs per SM, where the tensor-core kernel runs its wide CTA (4 warps,
+    64-token tiles): contexts empty, under one tile, around the 64-token tile and block edges, and long,
+    in scattered blocks; automatic and forced splits."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_seqs = -(-8 * sms // num_kv_heads) + 5  # the group fits one CTA (<= 8 query heads per KV head)
+    pattern = [0, 1, 15, 16, 17, 63, 64, 65, 129, 300, 511, 700]
+    lens = [pattern[i % len(pattern)] for i in range(num_seqs)]
+    q, cache, tables, lens_t = make_paged(lens, num_heads, num_kv_heads, head_size, block_size, dtype, "cuda", 21)
+    scale = head_size**-0.5
+    want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale, window, softcap)
+    for splits in (0, 3):
+        got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale, sliding_window=window,
+                                             logit_softcap=softcap, num_splits=splits)
+        torch.testing.assert_close(got, want, rtol=TOL[dtype][0], atol=TOL[dtype][1],
+                                   msg=lambda m, k=splits: f"splits={k}: {m}")
+
+
 @pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 def test_paged_decode_cuda_strided_q_and_out() -> None:
