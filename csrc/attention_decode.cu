@@ -776,41 +776,31 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
 //  - P^T packed to 16 bits, each 8x8 half transposed by movmatrix, is exactly the B fragment of
 //    O^T[D x 8 heads] += V^T[D x 16 tokens] P^T (A = V^T by ldmatrix.trans); O^T's C fragment holds the
 //    same two heads per lane as S^T's, so the softmax rescale needs no shuffle.
+constexpr int kMmaThreads = 64;
 constexpr int kMmaHeads = 8;  // query heads per CTA: the n side of the MMA (padded with zero heads)
 
-// Two CTA shapes. The default, 2 warps on 32-token tiles, keeps a CTA within 44 KB (STAGES_BW) so that
-// the many CTAs of a large batch are all resident at once. The wide one (kWideWarps, 4 warps on
-// 64-token tiles, up to ~72 KB) is for grids many times larger than what is resident: fewer, longer CTAs
-// per SM and twice the bytes per copy round (H200, Llama heads, CUDA graph: 240 sequences of 512-640
-// tokens, 1,920 CTAs, 0.152 vs 0.158-0.161 ms, 89% vs 84-85% of the copy bandwidth; but 64 x 4,096, 512
-// CTAs, 0.332 vs 0.286-0.289 ms: only ~3 wide CTAs fit per SM, so 512 run in 1.3 waves). STAGES_LAT
-// (dynamic shared memory up to ~70 KB) puts a short context in flight before pdl_wait() for the few CTAs
-// of a small batch (latency; used for small batches only with WLLM_DECODE_MMA_SMALL_BATCH=1, see
-// mma_switch).
-constexpr int kMmaWarps = 2;
-constexpr int kWideWarps = 4;
-constexpr int kWideStageBudget = 72 * 1024;
-constexpr int kWideMinCtasPerSm = 8;  // the wide CTA from this many CTAs per SM on (measured: 3.9 no, 14.5 yes)
-
-template <int D, int WARPS = kMmaWarps>
+// Two stage counts per head size: STAGES_BW keeps a CTA within 44 KB, so that the many CTAs of a large
+// batch are all resident at once (bandwidth); STAGES_LAT (dynamic shared memory up to ~70 KB) puts a
+// short context in flight before pdl_wait() for the few CTAs of a small batch (latency; used for small
+// batches only with WLLM_DECODE_MMA_SMALL_BATCH=1, see mma_switch).
+template <int D>
 struct MmaStages {
-  static constexpr int TT = 16 * WARPS;  // tokens per tile: 16 per warp
+  static constexpr int TT = 16 * (kMmaThreads / 32);  // tokens per tile: 16 per warp
   // +16 bytes per row: the 8 rows of an 8x8 ldmatrix (16 bytes each) then start 4 banks apart (D = 64,
   // 128) or at other distinct multiples of 4 banks (D = 80, 96): conflict-free, and cp.async stays aligned.
   static constexpr int ROW_BYTES = D * 2 + 16;
   static constexpr int STAGE_BYTES = 2 * TT * ROW_BYTES;  // K and V
-  static constexpr int STAGES_BW =
-      cmin(6, cmax(2, (WARPS == kMmaWarps ? kStageBudget : kWideStageBudget) / STAGE_BYTES));
+  static constexpr int STAGES_BW = cmin(6, cmax(2, kStageBudget / STAGE_BYTES));
   static constexpr int STAGES_LAT = cmax(STAGES_BW, D >= 96 ? 4 : 6);
 };
 
-template <typename T, int D, int STAGES, int WARPS_ = kMmaWarps>
+template <typename T, int D, int STAGES>
 struct MmaTiling {
-  static constexpr int THREADS = 32 * WARPS_, WARPS = WARPS_;
-  static constexpr int ROW_BYTES = MmaStages<D, WARPS>::ROW_BYTES, TT = MmaStages<D, WARPS>::TT;
-  static constexpr int STAGE_BYTES = MmaStages<D, WARPS>::STAGE_BYTES;
+  static constexpr int THREADS = kMmaThreads, WARPS = kMmaThreads / 32;
+  static constexpr int ROW_BYTES = MmaStages<D>::ROW_BYTES, TT = MmaStages<D>::TT;
+  static constexpr int STAGE_BYTES = MmaStages<D>::STAGE_BYTES;
   static constexpr int S = STAGES;
-  static constexpr bool LATENCY = STAGES > MmaStages<D, WARPS>::STAGES_BW;
+  static constexpr bool LATENCY = STAGES > MmaStages<D>::STAGES_BW;
   static constexpr int CPR = D * 2 / 16;
   static constexpr int NCH = (TT * CPR + THREADS - 1) / THREADS;
   // Latency variant: one CTA takes a span of up to 4 tiles (128 tokens), all but the last in flight
@@ -881,9 +871,9 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-template <typename T, int D, int STAGES, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS) paged_decode_mma_kernel(const Params p) {
-  using TL = MmaTiling<T, D, STAGES, WARPS>;
+template <typename T, int D, int STAGES>
+__global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Params p) {
+  using TL = MmaTiling<T, D, STAGES>;
   constexpr int GQ = kMmaHeads, KS = D / 16;  // k-steps of the scores, m-tiles of the output
   constexpr int TT = TL::TT, ROW = TL::ROW_BYTES;
 
@@ -1102,14 +1092,14 @@ static bool allow_smem(Kernel kernel, int bytes, std::atomic<uint64_t>& done) {
 
 // Launches the tensor-core kernel with STAGES pipeline stages; false when its shared memory cannot be
 // had (the caller then uses the FMA kernel).
-template <typename T, int D, int STAGES, int WARPS = kMmaWarps>
+template <typename T, int D, int STAGES>
 static bool launch_mma_kernel(Params p, dim3 grid, cudaStream_t s) {
-  using TL = MmaTiling<T, D, STAGES, WARPS>;
+  using TL = MmaTiling<T, D, STAGES>;
   static std::atomic<uint64_t> smem_allowed(0);
-  if (!allow_smem(paged_decode_mma_kernel<T, D, STAGES, WARPS>, TL::SMEM_BYTES, smem_allowed)) return false;
+  if (!allow_smem(paged_decode_mma_kernel<T, D, STAGES>, TL::SMEM_BYTES, smem_allowed)) return false;
   p.split_unit = TL::UNIT;
   p.single_max = TL::SINGLE_MAX;
-  launch_pdl(paged_decode_mma_kernel<T, D, STAGES, WARPS>, grid, dim3(TL::THREADS), TL::SMEM_BYTES, s, p);
+  launch_pdl(paged_decode_mma_kernel<T, D, STAGES>, grid, dim3(TL::THREADS), TL::SMEM_BYTES, s, p);
   launch_merge_fallback<T>(p, grid, D, s);
   return true;
 }
@@ -1144,14 +1134,11 @@ static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
       // Few CTAs (a small batch): the latency variant, whose deeper pipeline puts a short context or a
       // whole split in flight before pdl_wait(). Many: the bandwidth variant, small enough that the
       // whole grid is resident at once.
-      const int64_t ctas = (int64_t)grid.x * grid.z;
       const bool few = (int64_t)grid.x * 4 <= (int64_t)dev.sms;
-      const bool wide = ctas >= (int64_t)kWideMinCtasPerSm * dev.sms;
       if (few && mma_switch() == 2) {
         // small batches on the FMA kernel (below)
       } else if (few ? launch_mma_kernel<T, D, MmaStages<D>::STAGES_LAT>(p, grid, s)
-                     : (wide && launch_mma_kernel<T, D, MmaStages<D, kWideWarps>::STAGES_BW, kWideWarps>(p, grid, s)) ||
-                           launch_mma_kernel<T, D, MmaStages<D>::STAGES_BW>(p, grid, s)) {
+              : launch_mma_kernel<T, D, MmaStages<D>::STAGES_BW>(p, grid, s)) {
         return;
       }
     }

@@ -228,9 +228,9 @@ def test_paged_decode_cuda_large_groups_window_softcap(dtype, head_size, num_hea
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 30.0)])
 def test_paged_decode_cuda_wide_grid(dtype, head_size, num_heads, num_kv_heads, block_size, window, softcap) -> None:
-    """A batch large enough for 8+ CTAs per SM, where the tensor-core kernel runs its wide CTA (4 warps,
-    64-token tiles): contexts empty, under one tile, around the 64-token tile and block edges, and long,
-    in scattered blocks; automatic and forced splits."""
+    """A batch of 8+ CTAs per SM (the offline batch's regime: many CTAs resident at once and several
+    waves): contexts empty, under one tile, around tile and block edges, and long, in scattered blocks;
+    automatic and forced splits; sliding window with soft-capping."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     num_seqs = -(-8 * sms // num_kv_heads) + 5  # the group fits one CTA (<= 8 query heads per KV head)
     pattern = [0, 1, 15, 16, 17, 63, 64, 65, 129, 300, 511, 700]
