@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from wllm.bench.timing import cuda_time_ms
-from wllm.engine.cuda_graphs import capture_graph
+from wllm.bench.timing import graph_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm_shapes import L2_BYTES, projections  # noqa: E402
@@ -108,13 +107,6 @@ class Lt:
                                       ctypes.c_void_p(y.data_ptr()), c, ctypes.c_void_p(y.data_ptr()), c,
                                       ctypes.byref(h.algo), ctypes.c_void_p(self.workspace.data_ptr()),
                                       ctypes.c_size_t(WORKSPACE), stream), "matmul")
-
-
-def graph_us(fn, calls: int) -> float:
-    graph, _ = capture_graph(fn)
-    us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / calls
-    del graph
-    return us
 
 
 def tune_one(lt: Lt, ws: list[torch.Tensor], m: int, algos: int) -> tuple[float, list]:

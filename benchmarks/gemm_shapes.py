@@ -22,8 +22,7 @@ import torch.nn.functional as F
 
 from wllm.bench.floors import H200
 from wllm.bench.shapes import resolve_shape
-from wllm.bench.timing import cuda_time_ms
-from wllm.engine.cuda_graphs import capture_graph
+from wllm.bench.timing import graph_us
 
 L2_BYTES = 64 << 20  # more than the H200's 50 MB L2
 
@@ -42,10 +41,7 @@ def projections(shape_name: str) -> dict[str, tuple[int, int]]:
 def linear_us(x: torch.Tensor, ws: list[torch.Tensor]) -> float:
     """Microseconds per x @ W.T, from a CUDA graph that runs it once per weight copy: GPU time only, as the
     engine's graphs see it (timed call by call, small M would measure cuBLAS's ~10-25 us of host work)."""
-    graph, _ = capture_graph(lambda: [F.linear(x, w) for w in ws])
-    us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / len(ws)
-    del graph
-    return us
+    return graph_us(lambda: [F.linear(x, w) for w in ws], len(ws))
 
 
 def main() -> None:

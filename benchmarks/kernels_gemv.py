@@ -28,8 +28,7 @@ import torch.nn.functional as F
 
 from wllm import kernels
 from wllm.bench.floors import H200
-from wllm.bench.timing import bench_dtype, cuda_time_ms, kernel_bench_args
-from wllm.engine.cuda_graphs import capture_graph
+from wllm.bench.timing import bench_dtype, graph_us, kernel_bench_args
 from wllm.kernels import reference
 from wllm.kernels.gemv import VARIANTS, gemv_variant
 
@@ -66,10 +65,7 @@ def time_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Tens
             return F.linear(kernels.silu_and_mul(x), w, b)
         return kernels.gemv(kernels.silu_and_mul(x), w, b)  # act+gemv
 
-    graph, _ = capture_graph(lambda: [call(w) for w in ws])
-    us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / len(ws)
-    del graph
-    return us
+    return graph_us(lambda: [call(w) for w in ws], len(ws))
 
 
 def chain_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Tensor | None,
@@ -83,14 +79,11 @@ def chain_us(variant: str, x: torch.Tensor, ws: list[torch.Tensor], b: torch.Ten
         kernels.fused_add_rms_norm(x, residual, norm_w, 1e-6)
         return x if variant == "norm" else gemv_variant(x, w, b, activation, variant, output_activation)
 
-    previous = kernels.set_pdl(True)
+    previous = kernels.set_pdl(True)  # captured with PDL on; the replay keeps it
     try:
-        graph, _ = capture_graph(lambda: [call(w) for w in ws])
+        return graph_us(lambda: [call(w) for w in ws], len(ws))
     finally:
         kernels.set_pdl(previous)
-    us = cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / len(ws)
-    del graph
-    return us
 
 
 def weights(n: int, k: int, bias: bool, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor | None, int]:

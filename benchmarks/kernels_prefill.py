@@ -29,7 +29,7 @@ def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     return cuda_time_ms(fn, warmup, iters)
 
 
-def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "FLASH_ATTENTION"):
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str = "FLASH_ATTENTION"):
     """A callable running an SDPA backend (flash by default) on [B, H, T, D] tensors, and how GQA was
     handled."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -107,14 +107,14 @@ def main() -> int:
     gqa_note = ""
     max_err = None
     if pre == 0:
-        fn, gqa_note = sdpa_flash(q4, k4, v4)
+        fn, gqa_note = sdpa_attention(q4, k4, v4)
         ms_ref = time_ms(fn)
         rows.append((f"torch SDPA flash ({gqa_note})", ms_ref, flops / ms_ref / 1e9))
         ref = fn().transpose(1, 2).reshape(s * n, hq, d)
         max_err = (ours().float() - ref.float()).abs().max().item()
         # cuDNN's attention (Hopper: a wgmma kernel, the bar for a next kernel of ours), where torch has it.
         try:
-            fn_cudnn, note = sdpa_flash(q4, k4, v4, "CUDNN_ATTENTION")
+            fn_cudnn, note = sdpa_attention(q4, k4, v4, "CUDNN_ATTENTION")
             ms_cudnn = time_ms(fn_cudnn)
             rows.append((f"torch SDPA cuDNN ({note})", ms_cudnn, flops / ms_cudnn / 1e9))
         except (RuntimeError, AttributeError) as exc:

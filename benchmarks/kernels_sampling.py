@@ -18,8 +18,7 @@ import torch
 
 from wllm import kernels
 from wllm.bench.floors import H200
-from wllm.bench.timing import cuda_time_ms, kernel_bench_args
-from wllm.engine.cuda_graphs import capture_graph
+from wllm.bench.timing import graph_us, kernel_bench_args
 from wllm.kernels import reference
 from wllm.sampling_params import SamplingParams
 
@@ -37,12 +36,6 @@ class _Row:
         self.prompt_token_ids, self.output_token_ids, self.eos_token_ids = [], [7] * seed, []
 
 
-def time_in_graph_us(fn, calls: int) -> float:
-    """Microseconds per fn() call, replaying a graph of `calls` calls."""
-    graph, _ = capture_graph(lambda: [fn() for _ in range(calls)])
-    return cuda_time_ms(graph.replay, warmup=3, iters=20) * 1e3 / calls
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20, help="sampler calls per captured graph")
@@ -57,7 +50,8 @@ def main() -> int:
         floor_us = rows * vocab * 4 / H200.bandwidth * 1e6
         for mode, params in MODES.items():
             packed = kernels.pack_sampling_rows([_Row(i, **params) for i in range(rows)], "cuda")
-            us = time_in_graph_us(lambda logits=logits, packed=packed: kernels.sample(logits, **packed), args.calls)
+            us = graph_us(lambda logits=logits, packed=packed: [kernels.sample(logits, **packed)
+                                                                for _ in range(args.calls)], args.calls)
             check_rows = min(rows, 4)  # the reference is slow on the CPU side; a few rows suffice
             want, _, _ = reference.sample(logits[:check_rows], packed["params_f32"][:check_rows],
                                           packed["params_i64"][:check_rows])

@@ -25,7 +25,7 @@ from wllm.bench.shapes import resolve_shape
 
 FAMILIES = (  # first match wins
     ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "splitKreduce", "gemv")),
-    ("prefill attention", ("prefill", "sdpa", "fmha", "flash_fprop")),  # ours; torch's cuDNN attention
+    ("prefill attention", ("prefill",)),
     ("decode attention", ("paged_decode", "merge_splits")),
     ("norm", ("rms_norm",)),
     ("rotary + kv write", ("rotary", "reshape_and_cache", "rope")),

@@ -25,6 +25,18 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 30) -> 
     return statistics.median(times)
 
 
+def graph_us(fn: Callable[[], object], calls: int, warmup: int = 3, iters: int = 20) -> float:
+    """Microseconds per call when fn (which makes `calls` calls) is captured in a CUDA graph and replayed:
+    GPU time only, as the engine's graphs see it (timed call by call, a small kernel or library call would
+    measure its host work)."""
+    from wllm.engine.cuda_graphs import capture_graph
+
+    graph, _ = capture_graph(fn)
+    us = cuda_time_ms(graph.replay, warmup, iters) * 1e3 / calls
+    del graph
+    return us
+
+
 def kernel_bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Add --json, parse, and make sure the GPU and the kernel library are there (exit with a clear
     message otherwise); seeds torch. Shared by the benchmarks/kernels_*.py scripts."""
