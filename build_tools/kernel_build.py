@@ -205,6 +205,8 @@ def _compile_flags(leg: LegPlan) -> list[str]:
              f"-DWLLM_NS=wllm{leg.toolkit.suffix}"]
     for sm in leg.sms:
         code = sm_code(sm)
+        # SM 9.0 as sm_90a: the same GPUs (9.0 is the only 9.x), plus wgmma/setmaxnreg for gemm_sm90.cu.
+        code = "90a" if code == "90" else code
         flags.append(f"-gencode=arch=compute_{code},code=sm_{code}")
     if leg.ptx_sm:
         code = sm_code(leg.ptx_sm)

@@ -4,17 +4,6 @@
 
 namespace WLLM_NS {
 
-enum Activation { ACT_SILU = 0, ACT_GELU_TANH = 1 };
-
-template <int ACT>
-__device__ __forceinline__ float gated(float g, float u) {
-  if (ACT == ACT_SILU) return g / (1.0f + expf(-g)) * u;
-  // tanh approximation of GELU, as HF's "gelu_pytorch_tanh" / gelu(approximate="tanh").
-  const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
-  const float inner = k0 * (g + 0.044715f * g * g * g);
-  return 0.5f * g * (1.0f + tanhf(inner)) * u;
-}
-
 // grid.x = row, grid.y strides over the row in chunks of blockDim.x * VEC elements.
 template <typename T, int ACT, int VEC>
 __global__ void act_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int64_t inter,

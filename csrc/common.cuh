@@ -177,6 +177,18 @@ cudaError_t launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t s
   return cudaLaunchKernelEx(&config, kernel, args...);  // converts each argument to the kernel's type
 }
 
+// Gated activations (the MLP's act(gate) * up), in fp32: act_and_mul and the SM 9.0 GEMM's epilogue.
+enum Activation { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+template <int ACT>
+__device__ __forceinline__ float gated(float g, float u) {
+  if (ACT == ACT_SILU) return g / (1.0f + expf(-g)) * u;
+  // tanh approximation of GELU, as HF's "gelu_pytorch_tanh" / gelu(approximate="tanh").
+  const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
+  const float inner = k0 * (g + 0.044715f * g * g * g);
+  return 0.5f * g * (1.0f + tanhf(inner)) * u;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

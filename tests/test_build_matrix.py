@@ -113,7 +113,7 @@ def test_arch_flags(matrix: kernel_build.Matrix) -> None:
     leg = kernel_build.LegPlan(matrix.toolkits[0], Path("nvcc"), "13.0", ["8.6", "9.0"], "12.0")
     flags = kernel_build._compile_flags(leg)
     assert "-gencode=arch=compute_86,code=sm_86" in flags
-    assert "-gencode=arch=compute_90,code=sm_90" in flags
+    assert "-gencode=arch=compute_90a,code=sm_90a" in flags
     assert "-gencode=arch=compute_120,code=compute_120" in flags
     assert "-DWLLM_SYMBOL_SUFFIX=" in flags
     second = kernel_build.LegPlan(matrix.toolkits[1], Path("nvcc"), "12.9", ["7.0"], None)

@@ -1,6 +1,7 @@
 """wLLM kernels: the prebuilt CUDA library behind custom ops, with pure-PyTorch references."""
 
 from wllm.kernels._lib import KernelError, KernelLibraryError, available, build_info, set_decode_mma, set_pdl
+from wllm.kernels.gemm_sm90 import gemm_sm90
 from wllm.kernels.gemv import gemv
 from wllm.kernels.ops import (
     act_and_mul,
@@ -29,6 +30,7 @@ __all__ = [
     "decode_workspace_size",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
+    "gemm_sm90",
     "gemv",
     "pack_sampling_rows",
     "paged_decode_attention",

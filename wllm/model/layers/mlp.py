@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wllm.kernels import act_and_mul, gemv
+from wllm.kernels import act_and_mul, gemm_sm90, gemv
 from wllm.kernels import available as kernels_available
+from wllm.kernels.gemm_sm90 import fits as gemm_sm90_fits
+from wllm.kernels.gemm_sm90 import supported as gemm_sm90_supported
 from wllm.kernels.gemv import gated_output_fits
 from wllm.model.layers.linear import Linear, MergedLinear
 
@@ -40,6 +42,14 @@ GEMV_MAX_FUSED_ROWS = 2
 # (A/B runs).
 GATED_GEMV = os.environ.get("WLLM_GATED_GEMV", "1") != "0"
 GATED_GEMV_MIN_INTERMEDIATE = 8192
+
+# From this many rows (prefill-sized batches) on an SM 9.0 GPU, the gate_up projection and its activation run as
+# one Hopper GEMM whose epilogue gates the fp32 accumulators (wllm.kernels.gemm_sm90): no [rows, 2 I]
+# intermediate, no activation kernel. H200, Llama-3.1-8B's gate_up (RESULTS.md session 8): the GEMM alone
+# matches cuBLAS at 1024-8192 rows, so the activation's pass (~7% of the pair) is saved; at 239 rows it is
+# ~0.9x of cuBLAS, so decode batches keep cuBLAS + act_and_mul. WLLM_SM90_GEMM=0 turns it off (A/B runs).
+SM90_GATED_GEMM = os.environ.get("WLLM_SM90_GEMM", "1") != "0"
+SM90_GATED_GEMM_MIN_ROWS = 512
 
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
 _FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
@@ -73,6 +83,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act is not None and x.is_cuda and kernels_available(x.device.index or 0):
             gate_up_proj = self.gate_up_proj
+            if (SM90_GATED_GEMM and gate_up_proj.bias is None and x.numel() >= SM90_GATED_GEMM_MIN_ROWS * x.shape[-1]
+                    and gemm_sm90_supported(x.device.index or 0) and gemm_sm90_fits(x, gate_up_proj.weight)):
+                return self.down_proj(gemm_sm90(x, gate_up_proj.weight, self.fused_act))
             if (GATED_GEMV and self.down_proj.in_features >= GATED_GEMV_MIN_INTERMEDIATE
                     and x.numel() <= GEMV_MAX_FUSED_ROWS * x.shape[-1] and gate_up_proj.use_gemv(x)
                     and gated_output_fits(gate_up_proj.weight)):

@@ -1,0 +1,414 @@
+// Hopper (SM 9.0) GEMM on TMA + wgmma, with an optional gated-activation epilogue.
+//
+// C[m, n] = A[m, k] @ B[n, k]^T (both K-contiguous: x @ W^T as nn.Linear computes it), fp32 accumulation,
+// rounded once. With a gated epilogue B is the MLP's gate_up weight [2n, k] ([gate rows | up rows]) and
+// C = act(A @ gate^T) * (A @ up^T), [m, n]: the activation never leaves the registers and the [m, 2n]
+// intermediate is never written. Compiled as sm_90a (the build's 9.0 target); other SMs get no kernel and
+// the entry point refuses them.
+//
+// Design (experiments on branch hopper-gemm, benchmarks/RESULTS.md session 8). A persistent grid of
+// clusters of 2 CTAs, one CTA per SM, 384 threads each:
+//  - warpgroup 0 produces: one thread issues TMA loads of 64-wide k-tiles of A (128 rows) and B (256 rows)
+//    into a 4-stage ring, 128-byte swizzled by the TMA unit, zero-filled past the matrix (m, n, k free);
+//  - the two CTAs of a cluster take neighbouring 128-row tiles of A with the same B tile: each loads half
+//    of the B tile and multicasts it to both (halves B's L2 traffic; for the gated epilogue the halves are
+//    the gate and the up rows of the same 128 output columns);
+//  - warpgroups 1-2 consume: 64 rows x 256 columns each, wgmma m64n256k16 from shared memory; a stage is
+//    released to the producers of both CTAs once both of their consumers' wgmmas have read it;
+//  - the epilogue converts (and gates) in registers, writes 64 x 64 chunks to shared memory (two 8 KB
+//    buffers per warpgroup) and TMA-stores them (clipped at the matrix edges), so the next tile's main
+//    loop starts while the stores drain.
+// Tiles are visited in groups of 8 cluster rows so that a wave of CTAs shares A rows and B columns in L2.
+// H200: tensor pipes busy 94.6% of a 8192 x 28672 x 4096 GEMM (cuBLAS's nvjet kernel 95.1%), the same time
+// under ncu's locked clocks.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <stdint.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include "common.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace WLLM_NS {
+namespace sm90 {
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, THREADS = 384, CLUSTER = 2, GROUP = 8;
+constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int C_CHUNK = 64 * 64 * 2, C_BYTES = 2 * 2 * C_CHUNK;  // two chunk buffers per consumer warpgroup
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + C_BYTES + 1024 + 2 * STAGES * 8;
+enum Epilogue { EPI_NONE = 0, EPI_SILU = 1, EPI_GELU_TANH = 2 };
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand at `addr` (1024-byte aligned
+// 8-row groups of 128-byte rows): start address >> 4, leading byte offset 1 (unused by this layout),
+// stride byte offset 1024 >> 4, swizzle mode 1 (128 B) in bits 62-63.
+__device__ __forceinline__ uint64_t descriptor(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// Output tile (cluster row tile mt, column tile nt) of global tile index `tile`, in groups of GROUP rows.
+__device__ __forceinline__ void tile_coords(int tile, int m_tiles, int n_tiles, int& mt, int& nt) {
+  const int per_group = GROUP * n_tiles, group = tile / per_group, first = group * GROUP;
+  const int size = min(m_tiles - first, GROUP), in = tile - group * per_group;
+  mt = first + in % size;
+  nt = in / size;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Arrive on the barrier at the same shared offset in CTA `rank` of the cluster. The consumers only read
+// the stage they release, so no cluster-scope release is needed (it doubled the time when used).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed (a fresh barrier is in phase 0, so
+// waiting for parity 1 returns at once).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// The same load into the same shared offset of both CTAs of the cluster, each CTA's barrier at `bar`
+// counting the bytes it receives.
+__device__ __forceinline__ void tma_load_multicast(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                                   uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+      "[%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"((uint16_t)((1 << CLUSTER) - 1))
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_store(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void warpgroup_sync(int w) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + w) : "memory"); }
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half*) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+#endif
+
+struct Shape {
+  int m, n, k;  // n: output columns
+};
+
+template <typename T, int EPI>
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                const __grid_constant__ CUtensorMap map_c, const Shape shape) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int OUT_N = EPI == EPI_NONE ? BN : BN / 2;  // output columns per tile
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t ring = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t cbufs = ring + STAGES * STAGE_BYTES;
+  const uint32_t full = cbufs + C_BYTES, empty = full + STAGES * 8;
+  // Counted in cluster tiles (2 BM rows) and clusters; CTA `rank` takes row tile 2 mt + rank.
+  const int m_tiles = (shape.m + CLUSTER * BM - 1) / (CLUSTER * BM), n_tiles = (shape.n + OUT_N - 1) / OUT_N;
+  const int tiles = m_tiles * n_tiles, kt = (shape.k + BK - 1) / BK;
+  const int clusters = (int)gridDim.x / CLUSTER, cluster = (int)blockIdx.x / CLUSTER;
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  const int wg = threadIdx.x >> 7;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 2 * CLUSTER);  // one arrival per consumer warpgroup of each CTA
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  cluster_sync();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      int it = 0;
+      for (int tile = cluster; tile < tiles; tile += clusters) {
+        int mt, nt;
+        tile_coords(tile, m_tiles, n_tiles, mt, nt);
+        // This CTA's half of the B tile: rows nt BN + 128 rank (plain); the gate (rank 0) or up (rank 1)
+        // rows of output columns nt 128 .. nt 128 + 127 (gated).
+        const int b_row = EPI == EPI_NONE ? nt * BN + (int)rank * (BN / 2) : (int)rank * shape.n + nt * (BN / 2);
+        for (int t = 0; t < kt; ++t, ++it) {
+          const int s = it % STAGES;
+          mbar_wait(empty + 8 * s, ((it / STAGES) & 1) ^ 1);
+          const uint32_t dst = ring + s * STAGE_BYTES;
+          mbar_expect_tx(full + 8 * s, STAGE_BYTES);
+          tma_load(dst, &map_a, t * BK, (mt * CLUSTER + (int)rank) * BM, full + 8 * s);
+          tma_load_multicast(dst + A_BYTES + rank * (B_BYTES / 2), &map_b, t * BK, b_row, full + 8 * s);
+        }
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int cw = wg - 1, wt = threadIdx.x & 127, warp = wt >> 5, lane = threadIdx.x & 31;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    int it = 0, nbuf = 0;
+    for (int tile = cluster; tile < tiles; tile += clusters) {
+      int mt, nt;
+      tile_coords(tile, m_tiles, n_tiles, mt, nt);
+      for (int t = 0; t < kt; ++t, ++it) {
+        const int s = it % STAGES;
+        mbar_wait(full + 8 * s, (it / STAGES) & 1);
+        const uint32_t s_a = ring + s * STAGE_BYTES;
+        const uint64_t da = descriptor(s_a + cw * 64 * 128), db = descriptor(s_a + A_BYTES);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+          // 16 more columns of K: 32 bytes further inside the 128-byte swizzle atom.
+          wgmma<T, BN>(acc, da + (uint64_t)(kk * 2), db + (uint64_t)(kk * 2), (t > 0 || kk > 0) ? 1 : 0);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        // Keep this k-tile's wgmmas in flight; the previous one's are done, release its stage (thread r of
+        // the warpgroup signals CTA r).
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (t > 0 && wt < CLUSTER) mbar_arrive_cluster(empty + 8 * ((it - 1) % STAGES), wt);
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      if (wt < CLUSTER) mbar_arrive_cluster(empty + 8 * ((it - 1) % STAGES), wt);
+
+      // Epilogue. Accumulator layout: column block j (8 columns) of row (16 warp + lane / 4) holds
+      // acc[4 j], acc[4 j + 1] at columns 8 j + 2 (lane % 4) + {0, 1}, and the row 8 below in + 2, + 3.
+      // Gated: blocks 0-15 are the gate, 16-31 the up columns of the same 128 outputs.
+      const int row0 = (mt * CLUSTER + (int)rank) * BM + cw * 64;
+      const uint32_t cbuf = cbufs + cw * 2 * C_CHUNK;
+#pragma unroll
+      for (int cc = 0; cc < OUT_N / 64; ++cc) {
+        if (row0 >= shape.m || nt * OUT_N + cc * 64 >= shape.n) continue;  // wholly outside C (uniform)
+        const uint32_t buf = cbuf + (nbuf & 1) * C_CHUNK;
+        // The store that last read `buf` (two chunks ago) must be done reading it.
+        if (wt == 0) asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+        warpgroup_sync(cw);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int b = cc * 8 + j;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float lo = acc[4 * b + 2 * h], hi = acc[4 * b + 2 * h + 1];
+            if (EPI == EPI_SILU) {
+              lo = gated<ACT_SILU>(lo, acc[4 * (b + 16) + 2 * h]);
+              hi = gated<ACT_SILU>(hi, acc[4 * (b + 16) + 2 * h + 1]);
+            } else if (EPI == EPI_GELU_TANH) {
+              lo = gated<ACT_GELU_TANH>(lo, acc[4 * (b + 16) + 2 * h]);
+              hi = gated<ACT_GELU_TANH>(hi, acc[4 * (b + 16) + 2 * h + 1]);
+            }
+            // 128-byte swizzled chunk: row r's 16-byte piece j at (j ^ (r % 8)) * 16 -- the 8 rows of one
+            // store instruction hit 8 different pieces, no bank conflicts.
+            const int r = warp * 16 + (lane >> 2) + 8 * h;
+            const uint32_t addr = buf + r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack2(lo, hi, (T*)nullptr)) : "memory");
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA unit
+        warpgroup_sync(cw);
+        if (wt == 0) tma_store(&map_c, buf, nt * OUT_N + cc * 64, row0);
+        ++nbuf;
+      }
+    }
+    if (wt == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
+  // No CTA leaves while its peer may still multicast into it or arrive on its barriers.
+  cluster_sync();
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, through cudart (the library does not link libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> fn{nullptr};
+  PFN_cuTensorMapEncodeTiled_v12000 f = fn.load(std::memory_order_acquire);
+  if (f == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    void* p = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess) {
+      f = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+      fn.store(f, std::memory_order_release);
+    }
+    cudaGetLastError();
+  }
+  return f;
+}
+
+// 2-D map of a row-major [rows, cols] matrix with row stride ld (elements), boxes of box_rows x 64 elements,
+// 128-byte swizzled.
+bool make_map(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t rows, int64_t cols, int64_t ld,
+              int box_rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = encode_fn();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
+  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)}, elem_strides[2] = {1, 1};
+  return encode(map, type, 2, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+constexpr int kMaxDevices = 64;
+
+template <typename T, int EPI>
+int launch(void* c, const void* a, const void* b, const Shape& shape, int64_t lda, int64_t ldb, int64_t ldc,
+           cudaStream_t stream) {
+  auto kernel = gemm_kernel<T, EPI>;
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = SMEM_BYTES;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int device = 0;
+  cudaGetDevice(&device);
+  // Per kernel instantiation and device: the shared-memory opt-in and the resident cluster count.
+  static std::atomic<int> slots_of[kMaxDevices];
+  int slots = device < kMaxDevices ? slots_of[device].load(std::memory_order_acquire) : 0;
+  if (slots == 0) {
+    DeviceProps props;
+    const int rc = current_device_props(&props);
+    if (rc != WLLM_OK) return rc;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    config.gridDim = dim3(props.sms / CLUSTER * CLUSTER);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveClusters(&slots, kernel, &config);
+    if (err != cudaSuccess || slots <= 0) {
+      cudaGetLastError();
+      return fail(WLLM_ERR_CUDA, "gemm_sm90: cannot configure the kernel: %s",
+                  err != cudaSuccess ? cudaGetErrorString(err) : "no cluster fits on an SM pair");
+    }
+    if (device < kMaxDevices) slots_of[device].store(slots, std::memory_order_release);
+  }
+  constexpr CUtensorMapDataType type =
+      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const int64_t b_rows = EPI == EPI_NONE ? shape.n : 2 * (int64_t)shape.n;
+  CUtensorMap map_a, map_b, map_c;
+  if (!make_map(&map_a, type, a, shape.m, shape.k, lda, BM) || !make_map(&map_b, type, b, b_rows, shape.k, ldb, BN / 2) ||
+      !make_map(&map_c, type, c, shape.m, shape.n, ldc, 64)) {
+    return fail(WLLM_ERR_CUDA, "gemm_sm90: cannot encode the TMA descriptors (driver too old?)");
+  }
+  constexpr int out_n = EPI == EPI_NONE ? BN : BN / 2;
+  const int64_t tiles = ((shape.m + CLUSTER * BM - 1) / (CLUSTER * BM)) * (int64_t)((shape.n + out_n - 1) / out_n);
+  config.gridDim = dim3((unsigned)((tiles < slots ? tiles : slots) * CLUSTER));
+  cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, shape);
+  return check_launch("gemm_sm90");
+}
+
+// Compute capability (major * 10 + minor) of the current device, cached; 0 if it cannot be read.
+int device_cc() {
+  static std::atomic<int> cc_of[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    cudaGetLastError();
+    return 0;
+  }
+  int cc = cc_of[device].load(std::memory_order_acquire);
+  if (cc == 0) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    cc = major * 10 + minor;
+    cc_of[device].store(cc, std::memory_order_release);
+  }
+  return cc;
+}
+
+}  // namespace sm90
+}  // namespace WLLM_NS
+
+WLLM_API int WLLM_FN(wllm_gemm_sm90_supported)(void) {
+  using namespace WLLM_NS;
+  return sm90::device_cc() == 90 ? 1 : 0;
+}
+
+WLLM_API int WLLM_FN(wllm_gemm_sm90)(void* c, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
+                                     int64_t lda, int64_t ldb, int64_t ldc, int epilogue, int dtype, void* stream) {
+  using namespace WLLM_NS;
+  using namespace WLLM_NS::sm90;
+  if (c == nullptr || a == nullptr || b == nullptr) return fail(WLLM_ERR_INVALID_ARGUMENT, "gemm_sm90: null pointer");
+  if (m < 0 || n <= 0 || k <= 0 || m > 0x7fffffffLL || n > 0x3fffffffLL || k > 0x7fffffffLL) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemm_sm90: bad shape m=%lld n=%lld k=%lld", (long long)m, (long long)n,
+                (long long)k);
+  }
+  if (epilogue < EPI_NONE || epilogue > EPI_GELU_TANH) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemm_sm90: unknown epilogue %d (0 none, 1 SiLU-gated, 2 GELU-gated)",
+                epilogue);
+  }
+  if (dtype != WLLM_FLOAT16 && dtype != WLLM_BFLOAT16) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemm_sm90: dtype %d unsupported (float16 or bfloat16 only)", dtype);
+  }
+  // TMA: 16-byte aligned bases and row strides.
+  if (((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | reinterpret_cast<uintptr_t>(c)) & 15u) ||
+      lda % 8 || ldb % 8 || ldc % 8 || lda < k || ldb < k || ldc < n) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT,
+                "gemm_sm90: needs 16-byte aligned matrices and row strides that are multiples of 8 elements, "
+                "at least the row length (lda=%lld ldb=%lld ldc=%lld, k=%lld n=%lld)",
+                (long long)lda, (long long)ldb, (long long)ldc, (long long)k, (long long)n);
+  }
+  if (device_cc() != 90) {
+    return fail(WLLM_ERR_NO_KERNEL_IMAGE, "gemm_sm90: this kernel runs on SM 9.0 GPUs only (this one is %d.%d)",
+                device_cc() / 10, device_cc() % 10);
+  }
+  if (m == 0) return WLLM_OK;
+  const Shape shape{(int)m, (int)n, (int)k};
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (dtype == WLLM_BFLOAT16) {
+    if (epilogue == EPI_SILU) return launch<__nv_bfloat16, EPI_SILU>(c, a, b, shape, lda, ldb, ldc, s);
+    if (epilogue == EPI_GELU_TANH) return launch<__nv_bfloat16, EPI_GELU_TANH>(c, a, b, shape, lda, ldb, ldc, s);
+    return launch<__nv_bfloat16, EPI_NONE>(c, a, b, shape, lda, ldb, ldc, s);
+  }
+  if (epilogue == EPI_SILU) return launch<__half, EPI_SILU>(c, a, b, shape, lda, ldb, ldc, s);
+  if (epilogue == EPI_GELU_TANH) return launch<__half, EPI_GELU_TANH>(c, a, b, shape, lda, ldb, ldc, s);
+  return launch<__half, EPI_NONE>(c, a, b, shape, lda, ldb, ldc, s);
+}

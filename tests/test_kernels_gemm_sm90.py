@@ -1,0 +1,193 @@
+"""Hopper GEMM with the gated-activation epilogue (wllm.kernels.gemm_sm90) and its use by GatedMLP.
+
+CPU (CI): the reference against float64 math, argument errors, the fallback off SM 9.0, the layout check.
+CUDA (-m cuda, SM 9.0 GPUs): the kernel against the reference at odd sizes (partial tiles in every
+direction, K not a multiple of the 64-wide k-tile, a single row), both dtypes, all epilogues, strided
+rows, inside a CUDA graph, and GatedMLP's choice of it for prefill-sized batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from wllm.engine.cuda_graphs import capture_graph
+from wllm.kernels import gemm_sm90, reference
+from wllm.kernels.gemm_sm90 import _cuda_gemm, fits, supported
+from wllm.model.layers import mlp as mlp_module
+from wllm.model.layers.mlp import SM90_GATED_GEMM_MIN_ROWS, GatedMLP
+
+DTYPES = [torch.float16, torch.bfloat16]
+ACTIVATIONS = [None, "silu", "gelu_tanh"]
+# fp32 accumulation in a different order, then one rounding to the dtype.
+TOL = {torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+
+
+def make(m: int, n: int, k: int, dtype: torch.dtype, activation: str | None, device: str = "cpu",
+         seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] and a weight of n output columns ([2 n, k] = [gate | up] when gated), outputs O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = n if activation is None else 2 * n
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(rows, k, generator=gen) / k**0.5).to(dtype)
+    return x.to(device), w.to(device)
+
+
+def gemm64(x: torch.Tensor, w: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """From first principles in float64 (no rounding before the activation)."""
+    y = x.double() @ w.double().t()
+    if activation is None:
+        return y
+    n = w.shape[0] // 2
+    gate, up = y[:, :n], y[:, n:]
+    if activation == "silu":
+        return gate / (1 + torch.exp(-gate)) * up
+    return 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
+
+
+# ------------------------------------------------------------------------------------------
+# Reference, errors, dispatch conditions (CPU)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,n,k", [(1, 8, 72), (5, 33, 200), (17, 64, 13)])
+def test_reference_vs_float64(dtype, activation, m, n, k) -> None:
+    x, w = make(m, n, k, dtype, activation)
+    out = gemm_sm90(x, w, activation)  # CPU tensors: the reference
+    assert out.dtype == dtype and out.shape == (m, n)
+    torch.testing.assert_close(out.double(), gemm64(x, w, activation), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+def test_reference_rounds_once_after_the_activation() -> None:
+    """The gated result comes from the fp32 products: rounding them to bf16 first (the unfused path) can
+    differ, the kernel's reference must not."""
+    x, w = make(64, 48, 256, torch.bfloat16, "silu", seed=4)
+    fused = reference.gemm(x, w, "silu")
+    want = reference.act_and_mul((x.float() @ w.float().t()), "silu").to(torch.bfloat16)
+    assert torch.equal(fused, want)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x, w: (x, w, "relu"), "unknown activation"),
+    (lambda x, w: (x, w[:, :-1], None), "do not multiply"),
+    (lambda x, w: (x.float(), w.float(), None), "float16 or bfloat16"),
+    (lambda x, w: (x, w.half(), None), "float16 or bfloat16"),
+    (lambda x, w: (x, w[:-1], "silu"), "even count"),
+])
+def test_argument_errors(bad, match) -> None:
+    x, w = make(3, 16, 64, torch.bfloat16, "silu")
+    with pytest.raises(ValueError, match=match):
+        gemm_sm90(*bad(x, w))
+
+
+def test_fits_checks_the_tma_layout() -> None:
+    x, w = make(4, 32, 64, torch.bfloat16, None)
+    assert fits(x, w)
+    assert not fits(x.float(), w.float())
+    assert not fits(x[:, :60], w[:, :60])  # K % 8: row strides of the weight stay 64, K not
+    wide = torch.zeros(32, 72, dtype=torch.bfloat16)[:, :64]
+    assert fits(x, wide)  # padded weight rows (stride 72) are fine
+    assert not fits(x.t().contiguous().t(), w)  # column-major x
+
+
+def test_not_supported_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert not any(supported(d) for d in range(1))
+
+
+# ------------------------------------------------------------------------------------------
+# The kernel (SM 9.0)
+# ------------------------------------------------------------------------------------------
+
+
+def _sm90() -> None:
+    if not supported(0):
+        pytest.skip(f"gemm_sm90 needs an SM 9.0 GPU (this one is {torch.cuda.get_device_capability()})")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,n,k", [
+    (1, 64, 64),  # one row: rank 1 of the cluster has no rows at all
+    (7, 300, 128),  # partial column tile, gated: the gate half overlaps the up rows past n (clipped)
+    (129, 257, 200),  # partial tiles everywhere, K not a multiple of 64, odd n (padded output stride)
+    (300, 1000, 1032),
+    (513, 4104, 896),  # Qwen-like K, many column tiles
+    (2000, 1536, 4096),  # several waves of the persistent grid
+])
+def test_kernel_vs_reference(dtype, activation, m, n, k) -> None:
+    _sm90()
+    x, w = make(m, n, k, dtype, activation, "cuda", seed=m + n + k)
+    out = gemm_sm90(x, w, activation)
+    assert out.shape == (m, n) and out.dtype == dtype
+    want = reference.gemm(x, w, activation)
+    torch.testing.assert_close(out.float(), want.float(), rtol=TOL[dtype][0], atol=TOL[dtype][1])
+
+
+@pytest.mark.cuda
+def test_kernel_strided_rows_and_3d_input() -> None:
+    """x rows further apart than K (a slice of a wider tensor) and a [B, T, K] input."""
+    _sm90()
+    x_wide, w = make(600, 200, 264, torch.bfloat16, "silu", "cuda", seed=9)
+    x = x_wide[:, :256]
+    w = w[:, :256].contiguous()
+    out = gemm_sm90(x, w, "silu")
+    torch.testing.assert_close(out.float(), reference.gemm(x, w, "silu").float(), rtol=1.6e-2, atol=1.6e-2)
+    x3 = x.contiguous().view(3, 200, 256)
+    out3 = gemm_sm90(x3, w, "silu")
+    assert out3.shape == (3, 200, 200)
+    assert torch.equal(out3.view(600, 200), gemm_sm90(x.contiguous(), w, "silu"))
+
+
+@pytest.mark.cuda
+def test_kernel_is_deterministic_and_graph_capturable() -> None:
+    _sm90()
+    x, w = make(1024, 2048, 1024, torch.bfloat16, "silu", "cuda", seed=2)
+    eager = gemm_sm90(x, w, "silu")
+    assert torch.equal(gemm_sm90(x, w, "silu"), eager)
+    graph, out = capture_graph(lambda: gemm_sm90(x, w, "silu"))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.cuda
+def test_kernel_refuses_bad_layouts() -> None:
+    _sm90()
+    x, w = make(64, 64, 72, torch.bfloat16, None, "cuda")
+    with pytest.raises(Exception, match="16-byte aligned|multiples of 8"):
+        _cuda_gemm(x.view(-1)[1:1 + 64 * 64].view(64, 64), w[:, :64].contiguous(), None)
+
+
+# ------------------------------------------------------------------------------------------
+# GatedMLP's choice
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [SM90_GATED_GEMM_MIN_ROWS - 1, SM90_GATED_GEMM_MIN_ROWS, 1300])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_mlp_takes_the_hopper_gemm_for_prefill_batches(rows: int, act: str, monkeypatch) -> None:
+    """From SM90_GATED_GEMM_MIN_ROWS rows on SM 9.0 the gate_up projection and its activation are one
+    gemm_sm90 call; fewer rows (or WLLM_SM90_GEMM=0) keep cuBLAS + act_and_mul. Same result either way."""
+    _sm90()
+    calls = []
+    real = mlp_module.gemm_sm90
+    monkeypatch.setattr(mlp_module, "gemm_sm90", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    torch.manual_seed(7)
+    mlp = GatedMLP(512, 1408, act).to("cuda", torch.bfloat16)
+    mlp.gate_up_proj.weight.data.normal_(std=512**-0.5)
+    mlp.down_proj.weight.data.normal_(std=1408**-0.5)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    out = mlp(x)
+    assert calls == ([mlp.fused_act] if rows >= SM90_GATED_GEMM_MIN_ROWS else [])
+    monkeypatch.setattr(mlp_module, "SM90_GATED_GEMM", False)
+    calls.clear()
+    unfused = mlp(x)
+    assert calls == []
+    torch.testing.assert_close(out, unfused, rtol=3e-2, atol=3e-2)
