@@ -173,9 +173,11 @@ def test_kernel_refuses_bad_layouts() -> None:
 @pytest.mark.parametrize("rows", [SM90_GATED_GEMM_MIN_ROWS - 1, SM90_GATED_GEMM_MIN_ROWS, 1300])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 def test_gated_mlp_takes_the_hopper_gemm_for_prefill_batches(rows: int, act: str, monkeypatch) -> None:
-    """From SM90_GATED_GEMM_MIN_ROWS rows on SM 9.0 the gate_up projection and its activation are one
-    gemm_sm90 call; fewer rows (or WLLM_SM90_GEMM=0) keep cuBLAS + act_and_mul. Same result either way."""
+    """Switched on, from SM90_GATED_GEMM_MIN_ROWS rows on SM 9.0 the gate_up projection and its activation
+    are one gemm_sm90 call; fewer rows (or the switch off, the default) keep cuBLAS + act_and_mul. Same
+    result either way."""
     _sm90()
+    monkeypatch.setattr(mlp_module, "SM90_GATED_GEMM", True)  # opt-in (WLLM_SM90_GEMM=1)
     calls = []
     real = mlp_module.gemm_sm90
     monkeypatch.setattr(mlp_module, "gemm_sm90", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))

@@ -43,12 +43,14 @@ GEMV_MAX_FUSED_ROWS = 2
 GATED_GEMV = os.environ.get("WLLM_GATED_GEMV", "1") != "0"
 GATED_GEMV_MIN_INTERMEDIATE = 8192
 
-# From this many rows (prefill-sized batches) on an SM 9.0 GPU, the gate_up projection and its activation run as
-# one Hopper GEMM whose epilogue gates the fp32 accumulators (wllm.kernels.gemm_sm90): no [rows, 2 I]
-# intermediate, no activation kernel. H200, Llama-3.1-8B's gate_up (RESULTS.md session 8): the GEMM alone
-# matches cuBLAS at 1024-8192 rows, so the activation's pass (~7% of the pair) is saved; at 239 rows it is
-# ~0.9x of cuBLAS, so decode batches keep cuBLAS + act_and_mul. WLLM_SM90_GEMM=0 turns it off (A/B runs).
-SM90_GATED_GEMM = os.environ.get("WLLM_SM90_GEMM", "1") != "0"
+# Opt-in (WLLM_SM90_GEMM=1): from this many rows (prefill-sized batches) on an SM 9.0 GPU, the gate_up
+# projection and its activation run as one Hopper GEMM whose epilogue gates the fp32 accumulators
+# (wllm.kernels.gemm_sm90): no [rows, 2 I] intermediate, no activation kernel. Off by default because it
+# does not pay yet. H200, Llama-3.1-8B (RESULTS.md session 8): gate_up + activation 0.96-1.00x of cuBLAS +
+# act_and_mul at 1,024-8,192 rows (0.85x at 512) -- the GEMM alone runs 0.91-1.00x of cuBLAS with free
+# clocks (the same time under ncu's locked clocks) -- and the offline batch took 4.71 / 4.73 s with it
+# against 4.70 / 4.70 s without (alternating runs on one machine).
+SM90_GATED_GEMM = os.environ.get("WLLM_SM90_GEMM", "0") == "1"
 SM90_GATED_GEMM_MIN_ROWS = 512
 
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
