@@ -1038,6 +1038,14 @@ int launch_gated(GemvParams<T> p, int variant, const DeviceProps& dev, cudaStrea
   return launch_row_group_lanes<T, PROLOGUE_NONE, 2, EPI>(p, lanes, dev, stream);
 }
 
+// The tensor-core kernel can take these rows: a plain x (no activation on it), 16-byte vectors of W and x,
+// K a multiple of 32, SM 8.0+ (its body is compiled for SM 8.0+ only, so the device check is what keeps
+// older GPUs on the other kernels). launch_rows sends 3-16 such rows to it; run_gemv plans its passes of
+// rows by the same rule.
+inline bool mma_applies(int prologue, bool vec, bool x_vec, int64_t k, const DeviceProps& dev) {
+  return prologue == PROLOGUE_NONE && vec && x_vec && k % 32 == 0 && dev.major >= 8;
+}
+
 template <typename T, int PRO>
 int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceProps& dev, cudaStream_t stream) {
   // Automatic: the register-prefetch kernel where it measured fastest behind the kernel that writes x
@@ -1051,9 +1059,8 @@ int launch_rows(GemvParams<T> p, bool vec, int variant, const DeviceProps& dev, 
   // Long rows of a plain x (K >= 8192: Llama-3.1-8B's down projection once gate_up applies the activation)
   // measured fastest on the split-K kernel behind the kernel that writes x: 28.5 us vs 30.5-30.9 (M = 1),
   // 33.6 vs 37.6-40.5 (M = 2).
-  // 3..16 rows of a plain x (or the forced variant): the tensor-core kernel, where it can run. Its body is
-  // compiled for SM 8.0+ only, so the device check is what keeps older GPUs on the kernels below.
-  const bool mma_fits = PRO == PROLOGUE_NONE && vec && p.x_vec && p.k % 32 == 0 && p.m <= 16 && dev.major >= 8;
+  // 3..16 rows of a plain x (or the forced variant): the tensor-core kernel, where it can run.
+  const bool mma_fits = mma_applies(PRO, vec, p.x_vec != 0, p.k, dev) && p.m <= 16;
   if (mma_fits && (variant == VARIANT_MMA || (variant == VARIANT_AUTO && p.m >= 3))) return launch_mma(p, stream);
   if (variant == VARIANT_AUTO && PRO == PROLOGUE_NONE && p.m <= 2 && p.k >= 8192) {
     if (p.m <= 1) return launch<T, PRO, 1, 8>(p, dev, stream);
@@ -1102,8 +1109,8 @@ int run_gemv(T* out, const T* x, const T* w, const T* bias, int64_t m, int64_t n
   // rule), they are 16 rows whatever K is, and only a remainder of 1-2 rows that another kernel takes
   // keeps the shared-memory limit (Llama's down projection, K = 14,336: one pass instead of four).
   const int64_t smem_pass = per_pass;
-  const bool mma_passes = prologue == PROLOGUE_NONE && epilogue == PROLOGUE_NONE && vec && x_vec && k % 32 == 0 &&
-                          dev.major >= 8 && (variant == VARIANT_MMA || variant == VARIANT_AUTO) && m >= 3;
+  const bool mma_passes = mma_applies(prologue, vec, x_vec, k, dev) && epilogue == PROLOGUE_NONE &&
+                          (variant == VARIANT_MMA || variant == VARIANT_AUTO) && m >= 3;
   if (mma_passes) per_pass = 16;
   // Gated output: W is [gate rows | up rows]; out gets n / 2 columns. Rotary: n / 2 row pairs. Both take
   // 1-2 rows of x per pass.
