@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,19 +22,8 @@ from wllm.bench.timing import bench_dtype, graph_us, kernel_bench_args
 from wllm.kernels import act_and_mul, gemm_sm90
 from wllm.kernels.gemm_sm90 import supported
 
-L2_BYTES = 64 << 20  # more than the H200's 50 MB L2
-
-
-def shapes(name: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of each projection of one decoder layer."""
-    from wllm.bench.shapes import resolve_shape
-
-    cfg = resolve_shape(name).hf_config
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads", heads)
-    d = cfg.get("head_dim") or h // heads
-    return {"qkv": ((heads + 2 * kv) * d, h), "o": (h, heads * d), "gate_up": (2 * inter, h), "down": (h, inter)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_shapes import L2_BYTES, projections  # noqa: E402
 
 
 def _cublas(x: torch.Tensor, w: torch.Tensor, act: str | None) -> torch.Tensor:
@@ -56,7 +47,7 @@ def main() -> None:
         raise SystemExit(f"gemm_sm90 needs an SM 9.0 GPU (this one is {torch.cuda.get_device_capability()})")
     dtype = bench_dtype(args.dtype)
     rows = []
-    projs = shapes(args.shape)
+    projs = {k: v for k, v in projections(args.shape).items() if k != "lm_head"}
     print(f"{args.shape}, {args.dtype}: us per call (CUDA graphs), x = cuBLAS path / ours")
     print(f"{'M':>6} {'what':>16} {'cuBLAS':>9} {'ours':>9} {'x':>6} {'ours TFLOP/s':>13}")
     for name, (n, k) in projs.items():
