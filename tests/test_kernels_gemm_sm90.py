@@ -90,6 +90,7 @@ def test_fits_checks_the_tma_layout() -> None:
     wide = torch.zeros(32, 72, dtype=torch.bfloat16)[:, :64]
     assert fits(x, wide)  # padded weight rows (stride 72) are fine
     assert not fits(x.t().contiguous().t(), w)  # column-major x
+    assert not fits(torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64], w)  # x rows 68 elements apart
 
 
 def test_not_supported_without_a_gpu() -> None:

@@ -17,10 +17,11 @@ import functools
 import torch
 
 from wllm.kernels import _lib, reference
-from wllm.kernels.ops import _is_compiling, _rows, _stream
 
-_DTYPES = {torch.float16: 1, torch.bfloat16: 2}
-EPILOGUES = {None: 0, "silu": 1, "gelu_tanh": 2}
+# The C ABI's dtype and activation codes, the same as wllm_gemv's (its prologue codes are our epilogues).
+from wllm.kernels.gemv import _DTYPES
+from wllm.kernels.gemv import PROLOGUES as EPILOGUES
+from wllm.kernels.ops import _is_compiling, _rows, _stream
 
 
 @functools.cache
@@ -38,6 +39,8 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return False
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.stride(0) % 8 or weight.shape[1] % 8:
+        return False
+    if x.dim() > 1 and x.stride(-2) % 8:  # the row stride the kernel is given (x is viewed as rows)
         return False
     return x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
 
