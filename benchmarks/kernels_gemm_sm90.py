@@ -1,9 +1,10 @@
 """The Hopper GEMM (wllm.kernels.gemm_sm90) against cuBLAS, SM 9.0 GPUs.
 
 Per M (tokens of a step) and model shape: the gated MLP's gate_up projection with its activation --
-cuBLAS + act_and_mul (the path below SM90_GATED_GEMM_MIN_ROWS) against one gemm_sm90 call with the gated
-epilogue -- and each projection of a decoder layer as a plain GEMM, ours against F.linear. Weights rotate
-over enough copies that none is served from L2; each time comes from a CUDA graph of one call per copy.
+cuBLAS + act_and_mul (the path outside linear.SM90_GEMM_ROWS) against one gemm_sm90 call with the gated
+epilogue -- and each projection of a decoder layer as a plain GEMM, ours against F.linear. Ours runs with
+each schedule (whole tiles, stream-K) and auto's choice. Weights rotate over enough copies that none is
+served from L2; each time comes from a CUDA graph of one call per copy.
 
     python benchmarks/kernels_gemm_sm90.py [--shape llama-3.1-8b] [--m 239,512,1024,4096,8192]
 """
@@ -32,9 +33,9 @@ def _cublas(x: torch.Tensor, w: torch.Tensor, act: str | None) -> torch.Tensor:
     return y if act is None else act_and_mul(y, act)
 
 
-def _calls(fn, x: torch.Tensor, weights: list[torch.Tensor], act: str | None):
+def _calls(fn, x: torch.Tensor, weights: list[torch.Tensor], act: str | None, **kw):
     """One call of fn per weight copy (for graph_us)."""
-    return lambda: [fn(x, w, act) for w in weights]
+    return lambda: [fn(x, w, act, **kw) for w in weights]
 
 
 def main() -> None:
@@ -48,8 +49,9 @@ def main() -> None:
     dtype = bench_dtype(args.dtype)
     rows = []
     projs = {k: v for k, v in projections(args.shape).items() if k != "lm_head"}
-    print(f"{args.shape}, {args.dtype}: us per call (CUDA graphs), x = cuBLAS path / ours")
-    print(f"{'M':>6} {'what':>16} {'cuBLAS':>9} {'ours':>9} {'x':>6} {'ours TFLOP/s':>13}")
+    print(f"{args.shape}, {args.dtype}: us per call (CUDA graphs), x = cuBLAS path / ours (auto)")
+    print(f"{'M':>6} {'what':>16} {'cuBLAS':>9} {'tiles':>9} {'stream-K':>9} {'auto':>9} {'x':>6} "
+          f"{'auto TFLOP/s':>13}")
     for name, (n, k) in projs.items():
         copies = max(1, -(-L2_BYTES // (n * k * 2)))
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * k**-0.5 for _ in range(copies)]
@@ -58,11 +60,14 @@ def main() -> None:
             cases = [(name, None, n)] + ([("gate_up+act", "silu", n // 2)] if name == "gate_up" else [])
             for label, act, out_n in cases:
                 theirs = graph_us(_calls(_cublas, x, weights, act), len(weights))
-                ours = graph_us(_calls(gemm_sm90, x, weights, act), len(weights))
+                sched = {s: graph_us(_calls(gemm_sm90, x, weights, act, schedule=s), len(weights))
+                         for s in ("tiles", "stream_k", "auto")}
+                ours = sched["auto"]
                 tflops = 2 * m * n * k / ours / 1e6
-                print(f"{m:>6} {label:>16} {theirs:9.1f} {ours:9.1f} {theirs / ours:6.2f} {tflops:13.0f}")
+                print(f"{m:>6} {label:>16} {theirs:9.1f} {sched['tiles']:9.1f} {sched['stream_k']:9.1f} "
+                      f"{ours:9.1f} {theirs / ours:6.2f} {tflops:13.0f}")
                 rows.append({"m": m, "what": label, "out_n": out_n, "cublas_us": round(theirs, 2),
-                             "ours_us": round(ours, 2)})
+                             **{f"{s}_us": round(v, 2) for s, v in sched.items()}})
     if args.json:
         print(json.dumps({"shape": args.shape, "dtype": args.dtype, "rows": rows}))
 

@@ -329,7 +329,7 @@ def build(out_dir: Path, build_dir: Path | None = None, archs_override: str | No
     out_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(lib, out_dir / LIB_NAME)
     info = {
-        "abi_version": 2,
+        "abi_version": int(re.search(r"#define WLLM_ABI_VERSION (\d+)", (csrc / "api.h").read_text()).group(1)),
         "library": LIB_NAME,
         "platform": sys.platform,
         "legs": [

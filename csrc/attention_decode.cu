@@ -844,15 +844,6 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t v) {
   return r;
 }
 
-// Two floats rounded to T and packed into one 32-bit register, lo in the low half (fragment order).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T v[2] = {Conv<T>::from_float(lo), Conv<T>::from_float(hi)};
-  uint32_t r;
-  memcpy(&r, v, 4);
-  return r;
-}
-
 // c += a * b for one m16n8k16 tile, fp32 accumulation.
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

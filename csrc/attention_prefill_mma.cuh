@@ -11,10 +11,6 @@ namespace prefill {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // 16-byte global -> shared copy that bypasses L1; src_bytes == 0 writes 16 zero bytes instead
 // (the source address is then not read, but must still be a valid pointer value).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {

@@ -80,6 +80,7 @@ int current_device_props(DeviceProps* props) {
     return WLLM_OK;
   }
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&props->major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&props->minor, cudaDevAttrComputeCapabilityMinor, device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&props->sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
     err = cudaDeviceGetAttribute(&props->max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);

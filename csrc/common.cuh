@@ -1,5 +1,8 @@
 // Shared helpers for every kernel file: error reporting, dtype dispatch, conversions.
 #pragma once
+#include <stdint.h>
+#include <string.h>
+
 #include <atomic>
 
 #include <cuda_bf16.h>
@@ -38,6 +41,20 @@ struct Conv<__nv_bfloat16> {
   static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 };
+
+// Two floats rounded to T and packed into one 32-bit register, lo in the low half (fragment order).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T v[2] = {Conv<T>::from_float(lo), Conv<T>::from_float(hi)};
+  uint32_t r;
+  memcpy(&r, v, 4);
+  return r;
+}
+
+// 32-bit shared-state-space address of a pointer into shared memory (for asm operands).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
 // ---- Programmatic Dependent Launch (PDL, sm_90+) ----------------------------------------------
 // A kernel launched with launch_pdl() may start while the kernels before it in the stream are still
@@ -136,6 +153,7 @@ bool pdl_enabled();
 // What launch code needs to know of the current device, read once per device.
 struct DeviceProps {
   int major;     // compute capability major
+  int minor;     // compute capability minor
   int sms;       // multiprocessors
   int max_smem;  // opt-in shared memory per block, bytes
 };

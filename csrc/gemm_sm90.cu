@@ -23,6 +23,7 @@
 // under ncu's locked clocks.
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <limits.h>
 #include <stdint.h>
 
 #include <atomic>
@@ -39,8 +40,6 @@ constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTE
 constexpr int C_CHUNK = 64 * 64 * 2, C_BYTES = 2 * 2 * C_CHUNK;  // two chunk buffers per consumer warpgroup
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + C_BYTES + 1024 + 2 * STAGES * 8;
 enum Epilogue { EPI_NONE = 0, EPI_SILU = 1, EPI_GELU_TANH = 2 };
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 // Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand at `addr` (1024-byte aligned
 // 8-row groups of 128-byte rows): start address >> 4, leading byte offset 1 (unused by this layout),
@@ -123,20 +122,67 @@ __device__ __forceinline__ void cluster_sync() {
 
 __device__ __forceinline__ void warpgroup_sync(int w) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + w) : "memory"); }
 
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16*) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
+__device__ __forceinline__ void flag_release(int* flag) {
+  asm volatile("st.release.gpu.global.s32 [%0], 1;\n" ::"l"(flag) : "memory");
 }
 
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half*) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
+__device__ __forceinline__ void flag_wait(const int* flag) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  } while (v == 0);
 }
 
 #endif
 
 struct Shape {
-  int m, n, k;  // n: output columns
+  int m, n, k;        // n: output columns
+  int stream_k;       // 0: whole tiles per cluster; 1: each cluster an even share of all k-blocks (below)
+  int* flags;         // stream-K: a ready flag per consumer warpgroup of each CTA, zero between launches
+  float4* partials;   // stream-K: a 128 x 256 fp32 partial tile per CTA (PARTIAL_BYTES)
+};
+
+constexpr int WG_PARTIAL_FLOAT4 = 128 * (BN / 2) / 4;  // a consumer warpgroup's accumulators (64 x 256 fp32)
+constexpr int64_t PARTIAL_BYTES = 2 * (int64_t)WG_PARTIAL_FLOAT4 * 16;  // per CTA
+
+// The (tile, k-blocks [k0, k1)) segments a cluster works through, in order. Whole tiles: cluster,
+// cluster + clusters, ... Stream-K (few tiles for the SMs, i.e. decode-sized m): all tiles' k-blocks in
+// one sequence, cluster c taking [c units / clusters, (c + 1) units / clusters), cut at tile edges, so
+// every SM is busy to the end. A tile cut between clusters is finished by the one holding its first
+// k-block (that segment is the last of its share); the others (whose cut segment comes first in theirs)
+// leave fp32 partial sums in the workspace for it.
+struct Segments {
+  int pos, end, step, kt, stream_k;
+  __device__ __forceinline__ static int share(int c, int clusters, int units) {
+    return (int)(((int64_t)c * units) / clusters);
+  }
+  __device__ __forceinline__ Segments(int stream_k_, int cluster, int clusters, int tiles, int kt_)
+      : kt(kt_), stream_k(stream_k_) {
+    if (stream_k) {
+      pos = share(cluster, clusters, tiles * kt);
+      end = share(cluster + 1, clusters, tiles * kt);
+      step = 0;
+    } else {
+      pos = cluster;
+      end = tiles;
+      step = clusters;
+    }
+  }
+  __device__ __forceinline__ bool next(int& tile, int& k0, int& k1) {
+    if (pos >= end) return false;
+    if (!stream_k) {
+      tile = pos;
+      k0 = 0;
+      k1 = kt;
+      pos += step;
+      return true;
+    }
+    tile = pos / kt;
+    k0 = pos - tile * kt;
+    k1 = min(kt, k0 + (end - pos));
+    pos += k1 - k0;
+    return true;
+  }
 };
 
 template <typename T, int EPI>
@@ -168,14 +214,15 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (threadIdx.x == 0) {
-      int it = 0;
-      for (int tile = cluster; tile < tiles; tile += clusters) {
+      Segments seg(shape.stream_k, cluster, clusters, tiles, kt);
+      int it = 0, tile, k0, k1;
+      while (seg.next(tile, k0, k1)) {
         int mt, nt;
         tile_coords(tile, m_tiles, n_tiles, mt, nt);
         // This CTA's half of the B tile: rows nt BN + 128 rank (plain); the gate (rank 0) or up (rank 1)
         // rows of output columns nt 128 .. nt 128 + 127 (gated).
         const int b_row = EPI == EPI_NONE ? nt * BN + (int)rank * (BN / 2) : (int)rank * shape.n + nt * (BN / 2);
-        for (int t = 0; t < kt; ++t, ++it) {
+        for (int t = k0; t < k1; ++t, ++it) {
           const int s = it % STAGES;
           mbar_wait(empty + 8 * s, ((it / STAGES) & 1) ^ 1);
           const uint32_t dst = ring + s * STAGE_BYTES;
@@ -191,11 +238,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-    int it = 0, nbuf = 0;
-    for (int tile = cluster; tile < tiles; tile += clusters) {
+    Segments seg(shape.stream_k, cluster, clusters, tiles, kt);
+    int it = 0, nbuf = 0, tile, k0, k1;
+    while (seg.next(tile, k0, k1)) {
       int mt, nt;
       tile_coords(tile, m_tiles, n_tiles, mt, nt);
-      for (int t = 0; t < kt; ++t, ++it) {
+      for (int t = k0; t < k1; ++t, ++it) {
         const int s = it % STAGES;
         mbar_wait(full + 8 * s, (it / STAGES) & 1);
         const uint32_t s_a = ring + s * STAGE_BYTES;
@@ -204,16 +252,52 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
           // 16 more columns of K: 32 bytes further inside the 128-byte swizzle atom.
-          wgmma<T, BN>(acc, da + (uint64_t)(kk * 2), db + (uint64_t)(kk * 2), (t > 0 || kk > 0) ? 1 : 0);
+          wgmma<T, BN>(acc, da + (uint64_t)(kk * 2), db + (uint64_t)(kk * 2), (t > k0 || kk > 0) ? 1 : 0);
         }
         asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
         // Keep this k-tile's wgmmas in flight; the previous one's are done, release its stage (thread r of
         // the warpgroup signals CTA r).
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (t > 0 && wt < CLUSTER) mbar_arrive_cluster(empty + 8 * ((it - 1) % STAGES), wt);
+        if (t > k0 && wt < CLUSTER) mbar_arrive_cluster(empty + 8 * ((it - 1) % STAGES), wt);
       }
       asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
       if (wt < CLUSTER) mbar_arrive_cluster(empty + 8 * ((it - 1) % STAGES), wt);
+
+      if (k0 > 0) {
+        // Stream-K, a tile's later k-blocks (the first segment of this cluster's share): leave the fp32
+        // sums for the cluster that finishes the tile, in this thread's register order (coalesced).
+        float4* dst = shape.partials + ((int64_t)blockIdx.x * 2 + cw) * WG_PARTIAL_FLOAT4 + wt;
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+          __stcg(dst + i * 128, make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+        }
+        __threadfence();  // each thread's sums visible at GPU scope before the flag is
+        warpgroup_sync(cw);
+        if (wt == 0) flag_release(shape.flags + blockIdx.x * 2 + cw);
+        continue;
+      }
+      if (k1 < kt) {
+        // Stream-K, a tile's first k-blocks ending this share: add the sums of the clusters after this one
+        // that started inside the tile (each did so first, so they are done or nearly).
+        const int units = tiles * kt;
+        for (int c = cluster + 1; c < clusters && Segments::share(c, clusters, units) < (tile + 1) * kt; ++c) {
+          const int peer = c * CLUSTER + (int)rank;
+          if (wt == 0) {
+            flag_wait(shape.flags + peer * 2 + cw);
+            shape.flags[peer * 2 + cw] = 0;  // only this warpgroup reads it: zero again for the next launch
+          }
+          warpgroup_sync(cw);
+          const float4* src = shape.partials + ((int64_t)peer * 2 + cw) * WG_PARTIAL_FLOAT4 + wt;
+#pragma unroll
+          for (int i = 0; i < BN / 8; ++i) {
+            const float4 v = __ldcg(src + i * 128);
+            acc[4 * i] += v.x;
+            acc[4 * i + 1] += v.y;
+            acc[4 * i + 2] += v.z;
+            acc[4 * i + 3] += v.w;
+          }
+        }
+      }
 
       // Epilogue. Accumulator layout: column block j (8 columns) of row (16 warp + lane / 4) holds
       // acc[4 j], acc[4 j + 1] at columns 8 j + 2 (lane % 4) + {0, 1}, and the row 8 below in + 2, + 3.
@@ -244,7 +328,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             // store instruction hit 8 different pieces, no bank conflicts.
             const int r = warp * 16 + (lane >> 2) + 8 * h;
             const uint32_t addr = buf + r * 128 + ((j ^ (r & 7)) << 4) + (lane & 3) * 4;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack2(lo, hi, (T*)nullptr)) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(lo, hi)) : "memory");
           }
         }
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA unit
@@ -292,10 +376,18 @@ bool make_map(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64
 }
 
 constexpr int kMaxDevices = 64;
+enum Schedule { SCHED_AUTO = 0, SCHED_TILES = 1, SCHED_STREAM_K = 2 };
+
+// Workspace of a device with `sms` multiprocessors: the flags (2 per CTA, padded to 1 KB), then a partial
+// tile per CTA.
+int64_t flag_bytes(int sms) { return ((int64_t)sms * 2 * 4 + 1023) / 1024 * 1024; }
+int64_t workspace_bytes(int sms) { return flag_bytes(sms) + (int64_t)sms * PARTIAL_BYTES; }
+
+bool is_sm90(const DeviceProps& props) { return props.major == 9 && props.minor == 0; }
 
 template <typename T, int EPI>
-int launch(void* c, const void* a, const void* b, const Shape& shape, int64_t lda, int64_t ldb, int64_t ldc,
-           cudaStream_t stream) {
+int launch(void* c, const void* a, const void* b, Shape shape, int64_t lda, int64_t ldb, int64_t ldc,
+           void* workspace, int64_t workspace_size, int schedule, const DeviceProps& props, cudaStream_t stream) {
   auto kernel = gemm_kernel<T, EPI>;
   cudaLaunchConfig_t config = {};
   cudaLaunchAttribute attr[1];
@@ -310,13 +402,11 @@ int launch(void* c, const void* a, const void* b, const Shape& shape, int64_t ld
   config.numAttrs = 1;
   int device = 0;
   cudaGetDevice(&device);
-  // Per kernel instantiation and device: the shared-memory opt-in and the resident cluster count.
+  // Per kernel instantiation and device: the shared-memory opt-in and the resident cluster count (every
+  // cluster of the grid is resident at once: stream-K's finishing clusters wait for the others).
   static std::atomic<int> slots_of[kMaxDevices];
   int slots = device < kMaxDevices ? slots_of[device].load(std::memory_order_acquire) : 0;
   if (slots == 0) {
-    DeviceProps props;
-    const int rc = current_device_props(&props);
-    if (rc != WLLM_OK) return rc;
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
     config.gridDim = dim3(props.sms / CLUSTER * CLUSTER);
     if (err == cudaSuccess) err = cudaOccupancyMaxActiveClusters(&slots, kernel, &config);
@@ -325,7 +415,35 @@ int launch(void* c, const void* a, const void* b, const Shape& shape, int64_t ld
       return fail(WLLM_ERR_CUDA, "gemm_sm90: cannot configure the kernel: %s",
                   err != cudaSuccess ? cudaGetErrorString(err) : "no cluster fits on an SM pair");
     }
+    if (slots * CLUSTER > props.sms) slots = props.sms / CLUSTER;  // the workspace has a slot per SM
     if (device < kMaxDevices) slots_of[device].store(slots, std::memory_order_release);
+  }
+  constexpr int out_n = EPI == EPI_NONE ? BN : BN / 2;
+  const int64_t tiles = ((shape.m + CLUSTER * BM - 1) / (CLUSTER * BM)) * (int64_t)((shape.n + out_n - 1) / out_n);
+  const int64_t units = tiles * ((shape.k + BK - 1) / BK);
+  const bool have_workspace = workspace != nullptr && workspace_size >= workspace_bytes(props.sms);
+  bool stream_k = false;
+  if (schedule == SCHED_STREAM_K) {
+    if (!have_workspace || units > INT_MAX) {
+      return fail(WLLM_ERR_INVALID_ARGUMENT,
+                  "gemm_sm90: stream-K needs a workspace of wllm_gemm_sm90_workspace_size bytes (got %lld) and "
+                  "fewer than 2^31 k-blocks in all",
+                  (long long)(workspace != nullptr ? workspace_size : 0));
+    }
+    stream_k = true;
+  } else if (schedule == SCHED_AUTO && have_workspace && units <= INT_MAX) {
+    // Stream-K where whole tiles would leave SMs idle: a few waves whose last is under 90% full (decode
+    // steps: Llama-3.1-8B's gate_up at 240 rows is 112 tiles for 66 clusters). Many waves keep whole
+    // tiles, whose grouped order shares A and B in L2 across a wave.
+    const int64_t waves = (tiles + slots - 1) / slots;
+    stream_k = waves <= 4 && tiles * 10 < waves * slots * 9;
+  }
+  int64_t clusters = tiles < slots ? tiles : slots;
+  if (stream_k) {
+    clusters = units < slots ? units : slots;
+    shape.stream_k = 1;
+    shape.flags = static_cast<int*>(workspace);
+    shape.partials = reinterpret_cast<float4*>(static_cast<unsigned char*>(workspace) + flag_bytes(props.sms));
   }
   constexpr CUtensorMapDataType type =
       std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
@@ -335,33 +453,9 @@ int launch(void* c, const void* a, const void* b, const Shape& shape, int64_t ld
       !make_map(&map_c, type, c, shape.m, shape.n, ldc, 64)) {
     return fail(WLLM_ERR_CUDA, "gemm_sm90: cannot encode the TMA descriptors (driver too old?)");
   }
-  constexpr int out_n = EPI == EPI_NONE ? BN : BN / 2;
-  const int64_t tiles = ((shape.m + CLUSTER * BM - 1) / (CLUSTER * BM)) * (int64_t)((shape.n + out_n - 1) / out_n);
-  config.gridDim = dim3((unsigned)((tiles < slots ? tiles : slots) * CLUSTER));
+  config.gridDim = dim3((unsigned)(clusters * CLUSTER));
   cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_c, shape);
   return check_launch("gemm_sm90");
-}
-
-// Compute capability (major * 10 + minor) of the current device, cached; 0 if it cannot be read.
-int device_cc() {
-  static std::atomic<int> cc_of[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    cudaGetLastError();
-    return 0;
-  }
-  int cc = cc_of[device].load(std::memory_order_acquire);
-  if (cc == 0) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    cc = major * 10 + minor;
-    cc_of[device].store(cc, std::memory_order_release);
-  }
-  return cc;
 }
 
 }  // namespace sm90
@@ -369,11 +463,23 @@ int device_cc() {
 
 WLLM_API int WLLM_FN(wllm_gemm_sm90_supported)(void) {
   using namespace WLLM_NS;
-  return sm90::device_cc() == 90 ? 1 : 0;
+  DeviceProps props;
+  return current_device_props(&props) == WLLM_OK && sm90::is_sm90(props) ? 1 : 0;
+}
+
+WLLM_API int WLLM_FN(wllm_gemm_sm90_workspace_size)(int64_t* bytes) {
+  using namespace WLLM_NS;
+  if (bytes == nullptr) return fail(WLLM_ERR_INVALID_ARGUMENT, "gemm_sm90_workspace_size: null pointer");
+  DeviceProps props;
+  const int rc = current_device_props(&props);
+  if (rc != WLLM_OK) return rc;
+  *bytes = sm90::workspace_bytes(props.sms);
+  return WLLM_OK;
 }
 
 WLLM_API int WLLM_FN(wllm_gemm_sm90)(void* c, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
-                                     int64_t lda, int64_t ldb, int64_t ldc, int epilogue, int dtype, void* stream) {
+                                     int64_t lda, int64_t ldb, int64_t ldc, int epilogue, int dtype, void* workspace,
+                                     int64_t workspace_size, int schedule, void* stream) {
   using namespace WLLM_NS;
   using namespace WLLM_NS::sm90;
   if (c == nullptr || a == nullptr || b == nullptr) return fail(WLLM_ERR_INVALID_ARGUMENT, "gemm_sm90: null pointer");
@@ -388,27 +494,37 @@ WLLM_API int WLLM_FN(wllm_gemm_sm90)(void* c, const void* a, const void* b, int6
   if (dtype != WLLM_FLOAT16 && dtype != WLLM_BFLOAT16) {
     return fail(WLLM_ERR_INVALID_ARGUMENT, "gemm_sm90: dtype %d unsupported (float16 or bfloat16 only)", dtype);
   }
-  // TMA: 16-byte aligned bases and row strides.
-  if (((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | reinterpret_cast<uintptr_t>(c)) & 15u) ||
+  if (schedule < SCHED_AUTO || schedule > SCHED_STREAM_K) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "gemm_sm90: unknown schedule %d (0 auto, 1 whole tiles, 2 stream-K)",
+                schedule);
+  }
+  // TMA: 16-byte aligned bases and row strides; the workspace's partial tiles are float4s.
+  if (((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | reinterpret_cast<uintptr_t>(c) |
+        reinterpret_cast<uintptr_t>(workspace)) & 15u) ||
       lda % 8 || ldb % 8 || ldc % 8 || lda < k || ldb < k || ldc < n) {
     return fail(WLLM_ERR_INVALID_ARGUMENT,
-                "gemm_sm90: needs 16-byte aligned matrices and row strides that are multiples of 8 elements, "
-                "at least the row length (lda=%lld ldb=%lld ldc=%lld, k=%lld n=%lld)",
+                "gemm_sm90: needs 16-byte aligned matrices and workspace and row strides that are multiples of 8 "
+                "elements, at least the row length (lda=%lld ldb=%lld ldc=%lld, k=%lld n=%lld)",
                 (long long)lda, (long long)ldb, (long long)ldc, (long long)k, (long long)n);
   }
-  if (device_cc() != 90) {
+  DeviceProps props;
+  const int rc = current_device_props(&props);
+  if (rc != WLLM_OK) return rc;
+  if (!is_sm90(props)) {
     return fail(WLLM_ERR_NO_KERNEL_IMAGE, "gemm_sm90: this kernel runs on SM 9.0 GPUs only (this one is %d.%d)",
-                device_cc() / 10, device_cc() % 10);
+                props.major, props.minor);
   }
   if (m == 0) return WLLM_OK;
-  const Shape shape{(int)m, (int)n, (int)k};
+  const Shape shape{(int)m, (int)n, (int)k, 0, nullptr, nullptr};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+#define WLLM_GEMM_SM90_LAUNCH(T, E) launch<T, E>(c, a, b, shape, lda, ldb, ldc, workspace, workspace_size, schedule, props, s)
   if (dtype == WLLM_BFLOAT16) {
-    if (epilogue == EPI_SILU) return launch<__nv_bfloat16, EPI_SILU>(c, a, b, shape, lda, ldb, ldc, s);
-    if (epilogue == EPI_GELU_TANH) return launch<__nv_bfloat16, EPI_GELU_TANH>(c, a, b, shape, lda, ldb, ldc, s);
-    return launch<__nv_bfloat16, EPI_NONE>(c, a, b, shape, lda, ldb, ldc, s);
+    if (epilogue == EPI_SILU) return WLLM_GEMM_SM90_LAUNCH(__nv_bfloat16, EPI_SILU);
+    if (epilogue == EPI_GELU_TANH) return WLLM_GEMM_SM90_LAUNCH(__nv_bfloat16, EPI_GELU_TANH);
+    return WLLM_GEMM_SM90_LAUNCH(__nv_bfloat16, EPI_NONE);
   }
-  if (epilogue == EPI_SILU) return launch<__half, EPI_SILU>(c, a, b, shape, lda, ldb, ldc, s);
-  if (epilogue == EPI_GELU_TANH) return launch<__half, EPI_GELU_TANH>(c, a, b, shape, lda, ldb, ldc, s);
-  return launch<__half, EPI_NONE>(c, a, b, shape, lda, ldb, ldc, s);
+  if (epilogue == EPI_SILU) return WLLM_GEMM_SM90_LAUNCH(__half, EPI_SILU);
+  if (epilogue == EPI_GELU_TANH) return WLLM_GEMM_SM90_LAUNCH(__half, EPI_GELU_TANH);
+  return WLLM_GEMM_SM90_LAUNCH(__half, EPI_NONE);
+#undef WLLM_GEMM_SM90_LAUNCH
 }

@@ -3,10 +3,13 @@
 CPU (CI): the reference against float64 math, argument errors, the fallback off SM 9.0, the layout check.
 CUDA (-m cuda, SM 9.0 GPUs): the kernel against the reference at odd sizes (partial tiles in every
 direction, K not a multiple of the 64-wide k-tile, a single row), both dtypes, all epilogues, strided
-rows, inside a CUDA graph, and GatedMLP's choice of it for prefill-sized batches.
+rows, inside a CUDA graph, both schedules (whole tiles, stream-K with its partial sums and flags), and
+GatedMLP's choice of it for prefill-sized batches.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -14,8 +17,13 @@ import torch
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import gemm_sm90, reference
 from wllm.kernels.gemm_sm90 import _cuda_gemm, fits, supported
+from wllm.model.layers import linear as linear_module
 from wllm.model.layers import mlp as mlp_module
-from wllm.model.layers.mlp import SM90_GATED_GEMM_MIN_ROWS, GatedMLP
+from wllm.model.layers.linear import Linear
+from wllm.model.layers.mlp import GatedMLP
+
+# The module (wllm.kernels re-exports its function under the same name).
+gemm_sm90_module = importlib.import_module("wllm.kernels.gemm_sm90")
 
 DTYPES = [torch.float16, torch.bfloat16]
 ACTIVATIONS = [None, "silu", "gelu_tanh"]
@@ -75,6 +83,7 @@ def test_reference_rounds_once_after_the_activation() -> None:
     (lambda x, w: (x.float(), w.float(), None), "float16 or bfloat16"),
     (lambda x, w: (x, w.half(), None), "float16 or bfloat16"),
     (lambda x, w: (x, w[:-1], "silu"), "even count"),
+    (lambda x, w: (x, w, None, "split_k"), "unknown schedule"),
 ])
 def test_argument_errors(bad, match) -> None:
     x, w = make(3, 16, 64, torch.bfloat16, "silu")
@@ -157,6 +166,65 @@ def test_kernel_is_deterministic_and_graph_capturable() -> None:
     assert torch.equal(out, eager)
 
 
+# Stream-K cases: tiles cut between many clusters (1 k-block each: up to 17 partial sums per tile), a
+# single k-block in all (one cluster), decode shapes (Llama-3.1-8B's qkv and a long K like its down).
+STREAM_K_SHAPES = [(1, 64, 64), (239, 1000, 1032), (300, 2048, 200), (129, 257, 200), (239, 6144, 4096),
+                   (240, 520, 14336)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("m,n,k", STREAM_K_SHAPES)
+def test_schedules_vs_reference(dtype, activation, m, n, k) -> None:
+    """Whole tiles and stream-K both match the reference; stream-K is deterministic (a fixed order of the
+    partial sums) and leaves the workspace's flags zero for the next call."""
+    _sm90()
+    x, w = make(m, n, k, dtype, activation, "cuda", seed=m + 3 * n + k)
+    want = reference.gemm(x, w, activation).float()
+    tiles = gemm_sm90(x, w, activation, schedule="tiles")
+    streamed = gemm_sm90(x, w, activation, schedule="stream_k")
+    torch.testing.assert_close(tiles.float(), want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    torch.testing.assert_close(streamed.float(), want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
+    assert torch.equal(gemm_sm90(x, w, activation, schedule="stream_k"), streamed)
+    flags = gemm_sm90_module._WORKSPACES[0][:8 * torch.cuda.get_device_properties(0).multi_processor_count]
+    assert not flags.any()  # the flags (2 int32 per CTA) are zero again
+
+
+@pytest.mark.cuda
+def test_auto_schedule_streams_decode_sizes_only() -> None:
+    """auto takes stream-K where whole tiles leave SMs idle (239 rows x 4096 columns: 16 tiles for 60+ CTA
+    pairs) and whole tiles for many waves (4096 rows: 256 tiles); bit-identical to the forced schedule."""
+    _sm90()
+    x, w = make(239, 4096, 1024, torch.bfloat16, None, "cuda", seed=3)
+    assert torch.equal(gemm_sm90(x, w), gemm_sm90(x, w, schedule="stream_k"))
+    x, w = make(4096, 4096, 256, torch.bfloat16, None, "cuda", seed=4)
+    assert torch.equal(gemm_sm90(x, w), gemm_sm90(x, w, schedule="tiles"))
+
+
+@pytest.mark.cuda
+def test_stream_k_in_cuda_graphs(monkeypatch) -> None:
+    """Replays reuse the workspace (its flags are zero after every run); a graph captured before any
+    workspace exists keeps to whole tiles instead of allocating in the graph's pool."""
+    _sm90()
+    x, w = make(239, 3000, 2048, torch.bfloat16, "silu", "cuda", seed=5)
+    eager = gemm_sm90(x, w, "silu", schedule="stream_k")
+    graph, out = capture_graph(lambda: gemm_sm90(x, w, "silu"))
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    monkeypatch.setattr(gemm_sm90_module, "_WORKSPACES", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemm_sm90(x, w, "silu")
+    assert gemm_sm90_module._WORKSPACES == {}
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemm_sm90(x, w, "silu", schedule="tiles"))
+
+
 @pytest.mark.cuda
 def test_kernel_refuses_bad_layouts() -> None:
     _sm90()
@@ -166,31 +234,45 @@ def test_kernel_refuses_bad_layouts() -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# GatedMLP's choice
+# Linear's and GatedMLP's choice
 # ------------------------------------------------------------------------------------------
 
 
+def test_row_range_setting() -> None:
+    assert linear_module._row_range("129,1024") == (129, 1024)
+    assert linear_module._row_range("0") == (0, 0)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [SM90_GATED_GEMM_MIN_ROWS - 1, SM90_GATED_GEMM_MIN_ROWS, 1300])
+@pytest.mark.parametrize("rows", [99, 100, 240, 300, 301])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_gated_mlp_takes_the_hopper_gemm_for_prefill_batches(rows: int, act: str, monkeypatch) -> None:
-    """Switched on, from SM90_GATED_GEMM_MIN_ROWS rows on SM 9.0 the gate_up projection and its activation
-    are one gemm_sm90 call; fewer rows (or the switch off, the default) keep cuBLAS + act_and_mul. Same
-    result either way."""
+def test_layers_take_the_hopper_gemm_in_their_row_range(rows: int, act: str, monkeypatch) -> None:
+    """Within SM90_GEMM_ROWS on SM 9.0, the MLP's gate_up projection and its activation are one gemm_sm90
+    call and its down projection (a plain Linear) another; outside it cuBLAS + act_and_mul. Same result
+    either way; a Linear with a bias always stays on cuBLAS."""
     _sm90()
-    monkeypatch.setattr(mlp_module, "SM90_GATED_GEMM", True)  # opt-in (WLLM_SM90_GEMM=1)
+    monkeypatch.setattr(linear_module, "SM90_GEMM_ROWS", (100, 300))
     calls = []
-    real = mlp_module.gemm_sm90
-    monkeypatch.setattr(mlp_module, "gemm_sm90", lambda *a, **kw: calls.append(a[2]) or real(*a, **kw))
+    real = gemm_sm90_module.gemm_sm90
+
+    def spy(*a, **kw):
+        calls.append(a[2] if len(a) > 2 else None)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mlp_module, "gemm_sm90", spy)
+    monkeypatch.setattr(linear_module, "gemm_sm90", spy)
     torch.manual_seed(7)
     mlp = GatedMLP(512, 1408, act).to("cuda", torch.bfloat16)
     mlp.gate_up_proj.weight.data.normal_(std=512**-0.5)
     mlp.down_proj.weight.data.normal_(std=1408**-0.5)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     out = mlp(x)
-    assert calls == ([mlp.fused_act] if rows >= SM90_GATED_GEMM_MIN_ROWS else [])
-    monkeypatch.setattr(mlp_module, "SM90_GATED_GEMM", False)
+    assert calls == ([mlp.fused_act, None] if 100 <= rows <= 300 else [])
+    monkeypatch.setattr(linear_module, "SM90_GEMM_ROWS", (0, 0))
     calls.clear()
     unfused = mlp(x)
     assert calls == []
     torch.testing.assert_close(out, unfused, rtol=3e-2, atol=3e-2)
+    biased = Linear(512, 64, bias=True).to("cuda", torch.bfloat16)
+    monkeypatch.setattr(linear_module, "SM90_GEMM_ROWS", (100, 300))
+    assert not biased.use_sm90(x)

@@ -4,7 +4,9 @@ y = x @ W^T; or, with an activation ("silu" / "gelu_tanh") and W = [gate rows | 
 y = act(x @ gate^T) * (x @ up^T) ([..., n]), gated from the fp32 accumulators: the gate_up projection and
 its activation in one kernel, without the [rows, 2 n] intermediate or the activation kernel's pass over it.
 At prefill sizes it runs about as fast as cuBLAS on the projection alone (csrc/gemm_sm90.cu has the
-design and the measurements), so the activation comes for free.
+design and the measurements), so the activation comes for free. At decode sizes (a few hundred rows) its
+stream-K schedule splits the k-blocks of all output tiles evenly over the SMs, with fp32 partial sums
+through a per-device workspace, where whole tiles would leave SMs idle.
 
 SM 9.0 GPUs only (`supported`); `reference.gemm` computes the same thing elsewhere. The op is also a
 `torch.library.custom_op` (`wllm::gemm_sm90`) for torch.compile; eager CUDA calls take the raw binding.
@@ -12,6 +14,7 @@ SM 9.0 GPUs only (`supported`); `reference.gemm` computes the same thing elsewhe
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -22,6 +25,9 @@ from wllm.kernels import _lib, reference
 from wllm.kernels.gemv import _DTYPES
 from wllm.kernels.gemv import PROLOGUES as EPILOGUES
 from wllm.kernels.ops import _is_compiling, _rows, _stream
+
+# The C ABI's schedule codes: auto chooses stream-K where whole tiles would leave SMs idle.
+SCHEDULES: dict[str, int] = {"auto": 0, "tiles": 1, "stream_k": 2}
 
 
 @functools.cache
@@ -45,8 +51,10 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> int:
+def _check(x: torch.Tensor, weight: torch.Tensor, activation: str | None, schedule: str = "auto") -> int:
     """Validate; returns the output width. Raises ValueError saying what is wrong."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"gemm_sm90: unknown schedule {schedule!r}; supported: {', '.join(SCHEDULES)}")
     if activation not in EPILOGUES:
         raise ValueError(f"gemm_sm90: unknown activation {activation!r}; supported: None, 'silu', 'gelu_tanh'")
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -63,8 +71,27 @@ def _check(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> int
     return weight.shape[0] if activation is None else weight.shape[0] // 2
 
 
-def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> torch.Tensor:
-    n = _check(x, weight, activation)
+_WORKSPACES: dict[int, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, lib: _lib.Binding) -> torch.Tensor | None:
+    """The stream-K workspace for `device` (zeroed uint8, 128 KB per SM), made on first use and kept: the
+    kernel leaves its flags zero, so one allocation serves every later call and graph replay. None while a
+    CUDA graph is being captured without one (an allocation would belong to the graph's pool); the kernel
+    then keeps to whole tiles (same results)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    workspace = _WORKSPACES.get(index)
+    if workspace is None and not torch.cuda.is_current_stream_capturing():
+        size = ctypes.c_int64(0)
+        with torch.cuda.device(index):
+            lib.check(lib.wllm_gemm_sm90_workspace_size(ctypes.byref(size)), "gemm_sm90_workspace_size")
+        workspace = torch.zeros(size.value, dtype=torch.uint8, device=device)
+        _WORKSPACES[index] = workspace
+    return workspace
+
+
+def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str | None, schedule: str = "auto") -> torch.Tensor:
+    n = _check(x, weight, activation, schedule)
     k = weight.shape[1]
     x2 = _rows(x if x.stride(-1) == 1 else x.contiguous(), k, "gemm_sm90")
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -72,29 +99,35 @@ def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str | None) ->
     ldc = -(-n // 8) * 8
     out = torch.empty((x2.shape[0], ldc), dtype=x.dtype, device=x.device)[:, :n]
     lib = _lib.binding(x.device.index or 0)
+    workspace = _workspace(x.device, lib)
     lib.check(lib.wllm_gemm_sm90(out.data_ptr(), x2.data_ptr(), w.data_ptr(), x2.shape[0], n, k, x2.stride(0),
-                                 w.stride(0), ldc, EPILOGUES[activation], _DTYPES[x.dtype], _stream(x)), "gemm_sm90")
+                                 w.stride(0), ldc, EPILOGUES[activation], _DTYPES[x.dtype],
+                                 workspace.data_ptr() if workspace is not None else None,
+                                 workspace.numel() if workspace is not None else 0, SCHEDULES[schedule], _stream(x)),
+              "gemm_sm90")
     return out.reshape(*x.shape[:-1], n) if ldc == n else out.contiguous().reshape(*x.shape[:-1], n)
 
 
 @torch.library.custom_op("wllm::gemm_sm90", mutates_args=())
-def gemm_sm90_op(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> torch.Tensor:
-    return _cuda_gemm(x, weight, activation) if x.is_cuda else reference.gemm(x, weight, activation)
+def gemm_sm90_op(x: torch.Tensor, weight: torch.Tensor, activation: str | None, schedule: str) -> torch.Tensor:
+    return _cuda_gemm(x, weight, activation, schedule) if x.is_cuda else reference.gemm(x, weight, activation)
 
 
 @gemm_sm90_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, activation: str | None) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor, activation: str | None, schedule: str) -> torch.Tensor:
     n = weight.shape[0] if activation is None else weight.shape[0] // 2
     return x.new_empty((*x.shape[:-1], n))
 
 
-def gemm_sm90(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+def gemm_sm90(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None,
+              schedule: str = "auto") -> torch.Tensor:
     """x @ weight^T, or act(x @ gate^T) * (x @ up^T) for weight = [gate rows | up rows] with an activation
     ("silu" / "gelu_tanh"). The Hopper kernel on SM 9.0 GPUs, the fp32 reference elsewhere (CPU tensors,
-    other GPUs)."""
+    other GPUs). schedule: "auto" (stream-K where whole output tiles would leave SMs idle), "tiles" or
+    "stream_k" (for measurements and tests; the result is the same up to fp32 summation order)."""
     if not x.is_cuda or not supported(x.device.index or 0):
-        _check(x, weight, activation)
+        _check(x, weight, activation, schedule)
         return reference.gemm(x, weight, activation)
     if _is_compiling():
-        return gemm_sm90_op(x, weight, activation)
-    return _cuda_gemm(x, weight, activation)
+        return gemm_sm90_op(x, weight, activation, schedule)
+    return _cuda_gemm(x, weight, activation, schedule)

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from wllm.kernels import available as kernels_available
-from wllm.kernels import gemv
+from wllm.kernels import gemm_sm90, gemv
+from wllm.kernels.gemm_sm90 import fits as gemm_sm90_fits
+from wllm.kernels.gemm_sm90 import supported as gemm_sm90_supported
 from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 
 # Which decode matmuls take the skinny-GEMM kernel instead of cuBLAS, from the H200 measurements
@@ -35,6 +37,18 @@ GEMV_SMALL_WEIGHT_BYTES = 18 << 20
 GEMV_WIDE_MIN_K = 2048
 GEMV_MAX_WEIGHT_BYTES = 256 << 20
 _GEMV_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _row_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
+# Batches of SM90_GEMM_ROWS[0]..SM90_GEMM_ROWS[1] rows on an SM 9.0 GPU take our Hopper GEMM
+# (wllm.kernels.gemm_sm90) instead of cuBLAS, bias-free weights only: its stream-K schedule keeps every SM
+# busy at decode sizes, where cuBLAS's tiles leave some idle, and the gated MLP's gate_up adds its
+# activation for free (GatedMLP). WLLM_SM90_GEMM_ROWS="lo,hi" sets the range ("0,0": never).
+SM90_GEMM_ROWS = _row_range(os.environ.get("WLLM_SM90_GEMM_ROWS", "0,0"))
 
 
 @functools.cache
@@ -110,9 +124,21 @@ class Linear(nn.Module):
         wide_one_row = x.numel() == width and self.in_features >= GEMV_WIDE_MIN_K and nbytes <= GEMV_MAX_WEIGHT_BYTES
         return (nbytes <= GEMV_SMALL_WEIGHT_BYTES or wide_one_row) and kernels_available(index)
 
+    def use_sm90(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+        """True when x should go through the Hopper GEMM (SM90_GEMM_ROWS rows, SM 9.0, no bias, a layout
+        its TMA loads take) with this layer's weight or `weight` (a view of it)."""
+        lo, hi = SM90_GEMM_ROWS
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        if not (0 < rows and lo <= rows <= hi and x.is_cuda and self.bias is None):
+            return False
+        weight = self.weight if weight is None else weight
+        return gemm_sm90_supported(x.device.index or 0) and gemm_sm90_fits(x, weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_gemv(x):
             return gemv(x, self.weight, self.bias)
+        if self.use_sm90(x):
+            return gemm_sm90(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -11,8 +11,6 @@ from torch import nn
 
 from wllm.kernels import act_and_mul, gemm_sm90, gemv
 from wllm.kernels import available as kernels_available
-from wllm.kernels.gemm_sm90 import fits as gemm_sm90_fits
-from wllm.kernels.gemm_sm90 import supported as gemm_sm90_supported
 from wllm.kernels.gemv import gated_output_fits
 from wllm.model.layers.linear import Linear, MergedLinear
 
@@ -42,16 +40,6 @@ GEMV_MAX_FUSED_ROWS = 2
 # (A/B runs).
 GATED_GEMV = os.environ.get("WLLM_GATED_GEMV", "1") != "0"
 GATED_GEMV_MIN_INTERMEDIATE = 8192
-
-# Opt-in (WLLM_SM90_GEMM=1): from this many rows (prefill-sized batches) on an SM 9.0 GPU, the gate_up
-# projection and its activation run as one Hopper GEMM whose epilogue gates the fp32 accumulators
-# (wllm.kernels.gemm_sm90): no [rows, 2 I] intermediate, no activation kernel. Off by default because it
-# does not pay yet. H200, Llama-3.1-8B (RESULTS.md session 8): gate_up + activation 0.96-1.00x of cuBLAS +
-# act_and_mul at 1,024-8,192 rows (0.85x at 512) -- the GEMM alone runs 0.91-1.00x of cuBLAS with free
-# clocks (the same time under ncu's locked clocks) -- and the offline batch took 4.71 / 4.73 s with it
-# against 4.70 / 4.70 s without (alternating runs on one machine).
-SM90_GATED_GEMM = os.environ.get("WLLM_SM90_GEMM", "0") == "1"
-SM90_GATED_GEMM_MIN_ROWS = 512
 
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
 _FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
@@ -85,8 +73,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act is not None and x.is_cuda and kernels_available(x.device.index or 0):
             gate_up_proj = self.gate_up_proj
-            if (SM90_GATED_GEMM and gate_up_proj.bias is None and x.numel() >= SM90_GATED_GEMM_MIN_ROWS * x.shape[-1]
-                    and gemm_sm90_supported(x.device.index or 0) and gemm_sm90_fits(x, gate_up_proj.weight)):
+            if gate_up_proj.use_sm90(x):
+                # The Hopper GEMM's epilogue gates its fp32 accumulators: no [rows, 2 I] intermediate and
+                # no activation kernel (linear.SM90_GEMM_ROWS says for which batches).
                 return self.down_proj(gemm_sm90(x, gate_up_proj.weight, self.fused_act))
             if (GATED_GEMV and self.down_proj.in_features >= GATED_GEMV_MIN_INTERMEDIATE
                     and x.numel() <= GEMV_MAX_FUSED_ROWS * x.shape[-1] and gate_up_proj.use_gemv(x)
