@@ -57,6 +57,10 @@ WLLM_API int WLLM_FN(wllm_set_pdl)(int enable);
 // modes 0 / 1. Returns the previous mode; affects launches made after the call.
 WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode);
 
+// The Hopper (wgmma) prefill-attention kernel on SM 9.0: 1 (the default; WLLM_PREFILL_SM90=0 starts with
+// 0) or 0 (the mma.sync kernel). Process-wide; returns the previous setting.
+WLLM_API int WLLM_FN(wllm_set_prefill_sm90)(int enabled);
+
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (weight + weight_offset), in fp32.
 WLLM_API int WLLM_FN(wllm_rms_norm)(void* out, const void* x, const void* weight, int64_t rows, int64_t hidden,
                            int64_t out_row_stride, int64_t x_row_stride, float eps, float weight_offset,

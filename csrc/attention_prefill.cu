@@ -11,12 +11,17 @@
 // SM 8.0+, fp16/bf16: FlashAttention-2-style kernel on tensor cores (mma.sync m16n8k16, fp32
 // accumulators, online softmax in registers), K and V tiles gathered through the block table
 // with cp.async so the V load overlaps Q.K^T and the next K load overlaps P.V.
+// SM 9.0, fp16/bf16, head sizes 64 and 128: the same algorithm on warpgroup MMAs
+// (attention_prefill_sm90.cuh), unless WLLM_PREFILL_SM90=0 or wllm_set_prefill_sm90(0).
 // SM 7.x (and fp32 everywhere): a SIMT kernel with the same semantics, fp32 throughout.
 #include <math.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "attention_prefill_mma.cuh"
 #include "attention_prefill_simt.cuh"
+#include "attention_prefill_sm90.cuh"
 #include "attention_prefill_tile.cuh"
 #include "common.cuh"
 
@@ -44,15 +49,6 @@ template <typename T, int D>
 constexpr size_t flash_smem_bytes() {
   return (size_t)(64 * FlashShape<D>::MT + 2 * FlashShape<D>::BN) * (D + 8) * sizeof(T);
 }
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-// 2^x on the MUFU unit (ftz: the probabilities it feeds are rounded to 16 bits anyway); -inf -> 0.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-#endif
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kFlashThreads) flash_prefill_kernel(const Params p) {
@@ -338,13 +334,39 @@ static int launch_flash(const Params& p, int64_t num_tokens, int num_heads, cuda
   return check_launch("paged_prefill_attention");
 }
 
+template <typename T, int D>
+static int launch_sm90(const Params& p, int64_t num_tokens, int num_heads, cudaStream_t stream) {
+  constexpr size_t smem = sm90_smem_bytes<D>();
+  if (int rc = allow_smem(sm90_prefill_kernel<T, D>, smem)) return rc;
+  Params pt = p;
+  pt.num_tiles = (int)(num_tokens / kSm90BM + p.num_seqs);
+  if (int rc = check_grid(pt.num_tiles, num_heads)) return rc;
+  sm90_prefill_kernel<T, D><<<(unsigned)pt.num_tiles * (unsigned)num_heads, kSm90Threads, smem, stream>>>(pt);
+  return check_launch("paged_prefill_attention (sm90)");
+}
+
+// The Hopper kernel's switch: 1 (default) on SM 9.0, 0 off (WLLM_PREFILL_SM90=0 or wllm_set_prefill_sm90).
+static std::atomic<int> g_sm90_switch(-1);
+static int sm90_from_environment() { return env_equals("WLLM_PREFILL_SM90", "0") ? 0 : 1; }
+static int sm90_switch() { return lazy_setting(g_sm90_switch, sm90_from_environment); }
+
+enum Path { PATH_SIMT = 0, PATH_MMA = 1, PATH_SM90 = 2 };
+
+template <typename T, int D>
+static int launch_path(const Params& p, int64_t num_tokens, int num_heads, Path path, cudaStream_t stream) {
+  if constexpr (D == 64 || D == 128) {
+    if (path == PATH_SM90) return launch_sm90<T, D>(p, num_tokens, num_heads, stream);
+  }
+  return path != PATH_SIMT ? launch_flash<T, D>(p, num_tokens, num_heads, stream)
+                           : launch_simt<T, D>(p, num_tokens, num_heads, stream);
+}
+
 template <typename T>
-static int launch(const Params& p, int64_t num_tokens, int num_heads, int head_size, bool tensor_cores,
+static int launch(const Params& p, int64_t num_tokens, int num_heads, int head_size, Path path,
                   cudaStream_t stream) {
-#define WLLM_PREFILL_CASE(D)                                                                        \
-  case D:                                                                                           \
-    return tensor_cores ? launch_flash<T, D>(p, num_tokens, num_heads, stream)                      \
-                        : launch_simt<T, D>(p, num_tokens, num_heads, stream);
+#define WLLM_PREFILL_CASE(D) \
+  case D:                    \
+    return launch_path<T, D>(p, num_tokens, num_heads, path, stream);
   switch (head_size) {
     WLLM_PREFILL_CASE(64)
     WLLM_PREFILL_CASE(80)
@@ -358,7 +380,7 @@ static int launch(const Params& p, int64_t num_tokens, int num_heads, int head_s
 }
 
 template <>
-int launch<float>(const Params& p, int64_t num_tokens, int num_heads, int head_size, bool, cudaStream_t stream) {
+int launch<float>(const Params& p, int64_t num_tokens, int num_heads, int head_size, Path, cudaStream_t stream) {
   switch (head_size) {
     case 64: return launch_simt<float, 64>(p, num_tokens, num_heads, stream);
     case 80: return launch_simt<float, 80>(p, num_tokens, num_heads, stream);
@@ -404,12 +426,13 @@ WLLM_API int WLLM_FN(wllm_paged_prefill_attention)(
   if (!out || !q || !k_cache || !v_cache || !block_tables || !seq_lens || !query_start_loc) {
     return fail(WLLM_ERR_INVALID_ARGUMENT, "%s: null pointer", what);
   }
-  int device = 0, major = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (err != cudaSuccess) return fail(WLLM_ERR_CUDA, "%s: %s", what, cudaGetErrorString(err));
-  // The tensor-core kernel copies 16-byte chunks: rows must start on 16-byte boundaries.
-  const bool tensor_cores = dtype != WLLM_FLOAT32 && major >= 8;
+  DeviceProps dev;
+  if (int rc = current_device_props(&dev)) return rc;
+  // The tensor-core kernels copy 16-byte chunks: rows must start on 16-byte boundaries.
+  const bool tensor_cores = dtype != WLLM_FLOAT32 && dev.major >= 8;
+  const Path path = !tensor_cores ? PATH_SIMT
+                    : dev.major == 9 && dev.minor == 0 && sm90_switch() ? PATH_SM90
+                                                                         : PATH_MMA;
   if (tensor_cores) {
     const int64_t strides[7] = {q_token_stride, q_head_stride, out_token_stride, out_head_stride,
                                 kv_block_stride, kv_token_stride, kv_head_stride};
@@ -449,9 +472,15 @@ WLLM_API int WLLM_FN(wllm_paged_prefill_attention)(
   p.window = sliding_window;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
-    case WLLM_FLOAT32: return launch<float>(p, num_tokens, num_heads, head_size, false, s);
-    case WLLM_FLOAT16: return launch<__half>(p, num_tokens, num_heads, head_size, tensor_cores, s);
-    case WLLM_BFLOAT16: return launch<__nv_bfloat16>(p, num_tokens, num_heads, head_size, tensor_cores, s);
+    case WLLM_FLOAT32: return launch<float>(p, num_tokens, num_heads, head_size, PATH_SIMT, s);
+    case WLLM_FLOAT16: return launch<__half>(p, num_tokens, num_heads, head_size, path, s);
+    case WLLM_BFLOAT16: return launch<__nv_bfloat16>(p, num_tokens, num_heads, head_size, path, s);
     default: return fail(WLLM_ERR_INVALID_ARGUMENT, "%s: unsupported dtype code %d", what, dtype);
   }
+}
+
+WLLM_API int WLLM_FN(wllm_set_prefill_sm90)(int enabled) {
+  const int previous = WLLM_NS::prefill::sm90_switch();
+  WLLM_NS::prefill::g_sm90_switch.store(enabled ? 1 : 0);
+  return previous;
 }

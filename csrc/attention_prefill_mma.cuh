@@ -11,6 +11,13 @@ namespace prefill {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
+// 2^x on the MUFU unit (ftz: the probabilities it feeds are rounded to 16 bits anyway); -inf -> 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 16-byte global -> shared copy that bypasses L1; src_bytes == 0 writes 16 zero bytes instead
 // (the source address is then not read, but must still be a valid pointer value).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {

@@ -16,6 +16,20 @@ from wllm.kernels import reference
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}
 
 
+@pytest.fixture(params=["default", "mma_sync"])
+def prefill_kernel(request):
+    """Runs a CUDA test on the default kernel (on SM 9.0 the Hopper wgmma one for head sizes 64 and 128)
+    and, on SM 9.0, again on the mma.sync kernel the other tensor-core GPUs run."""
+    if request.param == "default":
+        yield request.param
+        return
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the mma.sync kernel is already the default on this GPU")
+    previous = kernels.set_prefill_sm90(False)
+    yield request.param
+    kernels.set_prefill_sm90(previous)
+
+
 @dataclass
 class Case:
     q: torch.Tensor  # [T, Hq, D]
@@ -202,6 +216,7 @@ def check_cuda(case: Case, scale: float, window: int = 0, softcap: float = 0.0, 
         row += n
 
 
+@pytest.mark.usefixtures("prefill_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
@@ -211,6 +226,7 @@ def test_prefill_cuda_head_sizes(dtype: torch.dtype, head_size: int, block_size:
     check_cuda(case, head_size**-0.5, label=f"{dtype} D={head_size} bs={block_size}")
 
 
+@pytest.mark.usefixtures("prefill_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(3, 3), (8, 2), (14, 2), (7, 1)])
@@ -219,6 +235,7 @@ def test_prefill_cuda_gqa(dtype: torch.dtype, heads: int, kv_heads: int) -> None
     check_cuda(case, 128**-0.5, label=f"{dtype} GQA {heads}/{kv_heads}")
 
 
+@pytest.mark.usefixtures("prefill_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
@@ -239,6 +256,7 @@ def test_prefill_cuda_float32(head_size: int) -> None:
     check_cuda(case, head_size**-0.5, 0, 25.0, label=f"fp32 D={head_size} cap=25")
 
 
+@pytest.mark.usefixtures("prefill_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_prefill_cuda_long_prompt_and_decode_rows(dtype: torch.dtype) -> None:
@@ -249,6 +267,7 @@ def test_prefill_cuda_long_prompt_and_decode_rows(dtype: torch.dtype) -> None:
     check_cuda(case, 128**-0.5, label=f"{dtype} long prompt")
 
 
+@pytest.mark.usefixtures("prefill_kernel")
 @pytest.mark.cuda
 def test_prefill_cuda_strided_q_from_fused_qkv() -> None:
     """q as a slice of a fused qkv projection (token stride > heads * head_size), no copy."""
@@ -265,6 +284,7 @@ def test_prefill_cuda_strided_q_from_fused_qkv() -> None:
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.usefixtures("prefill_kernel")
 @pytest.mark.cuda
 def test_prefill_cuda_inside_graph_and_compile() -> None:
     """Replays of a captured call see new inputs; the custom op traces under torch.compile. Head
@@ -300,6 +320,7 @@ def test_prefill_cuda_rejects_unsupported_head_size() -> None:
                                         case.query_start_loc, 1.0 / math.sqrt(48))
 
 
+@pytest.mark.usefixtures("prefill_kernel")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_cuda_leading_rows_of_other_sequences(dtype: torch.dtype) -> None:

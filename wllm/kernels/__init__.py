@@ -1,6 +1,14 @@
 """wLLM kernels: the prebuilt CUDA library behind custom ops, with pure-PyTorch references."""
 
-from wllm.kernels._lib import KernelError, KernelLibraryError, available, build_info, set_decode_mma, set_pdl
+from wllm.kernels._lib import (
+    KernelError,
+    KernelLibraryError,
+    available,
+    build_info,
+    set_decode_mma,
+    set_pdl,
+    set_prefill_sm90,
+)
 from wllm.kernels.gemm_sm90 import gemm_sm90
 from wllm.kernels.gemv import gemv
 from wllm.kernels.ops import (
@@ -42,6 +50,7 @@ __all__ = [
     "rotary_embedding",
     "sample",
     "set_decode_mma",
+    "set_prefill_sm90",
     "set_pdl",
     "silu_and_mul",
 ]

@@ -72,6 +72,8 @@ SIGNATURES: dict[str, list] = {
     "wllm_set_pdl": [c_int],
     # Tensor-core decode attention switch (returns the previous setting).
     "wllm_set_decode_mma": [c_int],
+    # Hopper prefill-attention switch (returns the previous setting).
+    "wllm_set_prefill_sm90": [c_int],
     "wllm_sample_workspace_size": [ctypes.POINTER(c_int64)],
     "wllm_sample": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                     c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p],
@@ -226,3 +228,10 @@ def set_decode_mma(enabled: bool, small_batch: bool = False, device: int = 0) ->
     before. WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=1 in the environment set the initial state."""
     mode = (1 if small_batch else 2) if enabled else 0
     return bool(binding(device).wllm_set_decode_mma(mode))
+
+
+def set_prefill_sm90(enabled: bool, device: int = 0) -> bool:
+    """Run paged prefill attention on SM 9.0 GPUs (fp16/bf16, head sizes 64 and 128) with the Hopper
+    warpgroup-MMA kernel (the default) or the mma.sync kernel other tensor-core GPUs use, for launches made
+    from now on; returns the previous setting. WLLM_PREFILL_SM90=0 in the environment starts with it off."""
+    return bool(binding(device).wllm_set_prefill_sm90(1 if enabled else 0))
