@@ -85,18 +85,22 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_prefill_kernel(const Par
     cp_async_16(smem + (s_q - base) + swizzled<D>(BM, row, ch), src, ok ? 16 : 0);
   }
   // Keys n0.. of one cache into the tile at `dst`; rows past the context are zero-filled so that 0 * garbage
-  // (possibly NaN) never reaches the accumulators.
+  // (possibly NaN) never reaches the accumulators. Each thread copies one fixed 16-byte column chunk of
+  // rows r0, r0 + RPP, ...: its swizzled offset only moves by whole 1024-byte atoms from pass to pass.
+  constexpr int RPP = kSm90Threads / CH, PASSES = BN / RPP;
+  static_assert(RPP % 8 == 0 && BN % RPP == 0, "passes must keep the swizzle phase");
+  const int kv_ch = tid % CH, kv_r0 = tid / CH;
+  const uint32_t kv_dst = swizzled<D>(BN, kv_r0, kv_ch);
+  const int64_t kv_col = head_off + kv_ch * 8;
   auto load_kv = [&](uint32_t dst, const T* cache, int n0) {
-    for (int c = tid; c < BN * CH; c += kSm90Threads) {
-      const int row = c / CH, ch = c - row * CH;
-      const int key = n0 + row;
+#pragma unroll
+    for (int i = 0; i < PASSES; ++i) {
+      const int key = n0 + kv_r0 + i * RPP;
       const bool ok = key < ctx;
-      const T* src = cache;
-      if (ok) {
-        src = cache + (int64_t)table[key >> p.block_shift] * p.kv_block + (int64_t)(key & block_mask) * p.kv_tok +
-              head_off + ch * 8;
-      }
-      cp_async_16(smem + (dst - base) + swizzled<D>(BN, row, ch), src, ok ? 16 : 0);
+      const T* src = ok ? cache + (int64_t)table[key >> p.block_shift] * p.kv_block +
+                              (int64_t)(key & block_mask) * p.kv_tok + kv_col
+                        : cache;
+      cp_async_16(smem + (dst - base) + kv_dst + i * RPP * 128, src, ok ? 16 : 0);
     }
   };
 
@@ -144,19 +148,30 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_prefill_kernel(const Par
     }
     // Online softmax. Thread holds rows g and g + 8 (h = 0, 1) of its warp's 16, columns 8 j + 2 t4 + {0, 1}
     // in s[4 j + 2 h + {0, 1}]; a row's 4 threads are lanes 4 g .. 4 g + 3.
+    // Whole tile visible to every row of the CTA: no mask. Else key n0 + 8 j + 2 t4 + e is visible to
+    // position qpos iff lo < it <= qpos: one compare per bound against the column offset 8 j + e. Keys
+    // past the context need no test: they are zero-filled (finite scores), and the rows that could see
+    // them (qpos >= ctx) are past the sequence's queries, never written.
     const bool full = n0 + BN - 1 <= kr.qp_first && (p.window <= 0 || n0 > kr.qp_last - p.window);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int qpos = kr.qp_first + cw * 64 + warp * 16 + g + h * 8;
       float mx = -INFINITY;
+      if (full) {
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+        for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      } else {
+        const int hi = qpos - (n0 + 2 * t4);
+        const int lo = p.window > 0 ? hi - p.window : -(1 << 30);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = s[4 * j + 2 * h + e];
-          if (!full && !visible(n0 + j * 8 + 2 * t4 + e, qpos, ctx, p.window)) x = -INFINITY;
-          s[4 * j + 2 * h + e] = x;
-          mx = fmaxf(mx, x);
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = 8 * j + e;
+            const float x = (c <= hi && c > lo) ? s[4 * j + 2 * h + e] : -INFINITY;
+            s[4 * j + 2 * h + e] = x;
+            mx = fmaxf(mx, x);
+          }
         }
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
