@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "hopper.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace WLLM_NS {
@@ -41,14 +42,6 @@ constexpr int C_CHUNK = 64 * 64 * 2, C_BYTES = 2 * 2 * C_CHUNK;  // two chunk bu
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + C_BYTES + 1024 + 2 * STAGES * 8;
 enum Epilogue { EPI_NONE = 0, EPI_SILU = 1, EPI_GELU_TANH = 2 };
 
-// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand at `addr` (1024-byte aligned
-// 8-row groups of 128-byte rows): start address >> 4, leading byte offset 1 (unused by this layout),
-// stride byte offset 1024 >> 4, swizzle mode 1 (128 B) in bits 62-63.
-__device__ __forceinline__ uint64_t descriptor(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
 // Output tile (cluster row tile mt, column tile nt) of global tile index `tile`, in groups of GROUP rows.
 __device__ __forceinline__ void tile_coords(int tile, int m_tiles, int n_tiles, int& mt, int& nt) {
   const int per_group = GROUP * n_tiles, group = tile / per_group, first = group * GROUP;
@@ -58,9 +51,8 @@ __device__ __forceinline__ void tile_coords(int tile, int m_tiles, int n_tiles, 
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
+using hopper::mbar_init;
+using hopper::mbar_wait;
 
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
@@ -74,19 +66,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
       "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
       "r"(rank)
       : "memory");
-}
-
-// Waits until the barrier's phase of parity `parity` has completed (a fresh barrier is in phase 0, so
-// waiting for parity 1 returns at once).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
 }
 
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
@@ -207,7 +186,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, 2 * CLUSTER);  // one arrival per consumer warpgroup of each CTA
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    hopper::fence_mbar_init();
   }
   cluster_sync();
 
@@ -247,20 +226,20 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int s = it % STAGES;
         mbar_wait(full + 8 * s, (it / STAGES) & 1);
         const uint32_t s_a = ring + s * STAGE_BYTES;
-        const uint64_t da = descriptor(s_a + cw * 64 * 128), db = descriptor(s_a + A_BYTES);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        const uint64_t da = hopper::smem_desc(s_a + cw * 64 * 128), db = hopper::smem_desc(s_a + A_BYTES);
+        hopper::wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BK / 16; ++kk) {
           // 16 more columns of K: 32 bytes further inside the 128-byte swizzle atom.
           wgmma<T, BN>(acc, da + (uint64_t)(kk * 2), db + (uint64_t)(kk * 2), (t > k0 || kk > 0) ? 1 : 0);
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        hopper::wgmma_commit();
         // Keep this k-tile's wgmmas in flight; the previous one's are done, release its stage (thread r of
         // the warpgroup signals CTA r).
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        hopper::wgmma_wait<1>();
         if (t > k0 && wt < CLUSTER) mbar_arrive_cluster(empty + 8 * ((it - 1) % STAGES), wt);
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      hopper::wgmma_wait<0>();
       if (wt < CLUSTER) mbar_arrive_cluster(empty + 8 * ((it - 1) % STAGES), wt);
 
       if (k0 > 0) {
@@ -331,7 +310,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(pack2<T>(lo, hi)) : "memory");
           }
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA unit
+        hopper::fence_proxy_async();  // visible to the TMA unit
         warpgroup_sync(cw);
         if (wt == 0) tma_store(&map_c, buf, nt * OUT_N + cc * 64, row0);
         ++nbuf;

@@ -1,0 +1,75 @@
+// Hopper (sm_90a) primitives shared by the SM 9.0 kernels: mbarriers, the async-proxy fence, wgmma
+// group control and shared-memory matrix descriptors. Only defined for device code compiled with the
+// sm_90a feature set (__CUDA_ARCH_FEAT_SM90_ALL); callers guard their use the same way.
+#pragma once
+#include <stdint.h>
+
+#include "common.cuh"
+
+namespace WLLM_NS {
+namespace hopper {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Makes the barrier inits visible to the other threads of the cluster (and to the async proxy).
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Arrives on the barrier once all cp.async copies this thread issued so far have landed (the barrier's
+// count includes this arrival).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed (a fresh barrier is in phase 0, so
+// waiting for parity 1 returns at once).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Orders this thread's generic-proxy view of shared memory (st.shared, cp.async) with the async proxy
+// (wgmma operands, TMA).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Named barrier `id` over `threads` threads: wait for all, or only arrive (a producer's signal).
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+#endif
+
+// Shared-memory matrix descriptor of a 128-byte-swizzled operand at `addr` (1024-byte aligned groups of 8
+// rows of 128 bytes): start address >> 4; leading byte offset (between the 64-element column blocks of an
+// MN-major operand; unused by K-major ones); stride byte offset 1024 (the next 8 rows); swizzle mode 1
+// (128 B) in bits 62-63.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes = 16) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lead_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+}  // namespace hopper
+}  // namespace WLLM_NS
