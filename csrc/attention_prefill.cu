@@ -303,46 +303,38 @@ static int allow_smem(K kernel, size_t bytes) {
               cudaGetErrorString(err));
 }
 
-static int check_grid(int64_t num_tiles, int num_heads) {
-  if (num_tiles * num_heads >= (int64_t)1 << 31) {
+// One CTA per (query tile of `rows` rows, head): reserve the shared memory, size the grid, launch.
+static int launch_tiles(void (*kernel)(Params), const Params& p, int rows, int threads, size_t smem,
+                        int64_t num_tokens, int num_heads, cudaStream_t stream, const char* what) {
+  if (int rc = allow_smem(kernel, smem)) return rc;
+  Params pt = p;
+  const int64_t tiles = num_tokens / rows + p.num_seqs;
+  if (tiles * num_heads >= (int64_t)1 << 31) {
     return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_prefill_attention: %lld query tiles x %d heads is too large a grid",
-                (long long)num_tiles, num_heads);
+                (long long)tiles, num_heads);
   }
-  return WLLM_OK;
+  pt.num_tiles = (int)tiles;
+  kernel<<<(unsigned)tiles * (unsigned)num_heads, threads, smem, stream>>>(pt);
+  return check_launch(what);
 }
 
 template <typename T, int D>
 static int launch_simt(const Params& p, int64_t num_tokens, int num_heads, cudaStream_t stream) {
-  const size_t smem = simt_smem_bytes<D>();
-  if (int rc = allow_smem(simt_prefill_kernel<T, D>, smem)) return rc;
-  Params pt = p;
-  pt.num_tiles = (int)(num_tokens / kSimtRows + p.num_seqs);
-  if (int rc = check_grid(pt.num_tiles, num_heads)) return rc;
-  simt_prefill_kernel<T, D><<<(unsigned)pt.num_tiles * (unsigned)num_heads, kSimtThreads, smem, stream>>>(pt);
-  return check_launch("paged_prefill_attention (simt)");
+  return launch_tiles(simt_prefill_kernel<T, D>, p, kSimtRows, kSimtThreads, simt_smem_bytes<D>(), num_tokens,
+                      num_heads, stream, "paged_prefill_attention (simt)");
 }
 
 template <typename T, int D>
 static int launch_flash(const Params& p, int64_t num_tokens, int num_heads, cudaStream_t stream) {
   constexpr int BM = 16 * FlashShape<D>::MT * (kFlashThreads / 32);
-  const size_t smem = flash_smem_bytes<T, D>();
-  if (int rc = allow_smem(flash_prefill_kernel<T, D>, smem)) return rc;
-  Params pt = p;
-  pt.num_tiles = (int)(num_tokens / BM + p.num_seqs);
-  if (int rc = check_grid(pt.num_tiles, num_heads)) return rc;
-  flash_prefill_kernel<T, D><<<(unsigned)pt.num_tiles * (unsigned)num_heads, kFlashThreads, smem, stream>>>(pt);
-  return check_launch("paged_prefill_attention");
+  return launch_tiles(flash_prefill_kernel<T, D>, p, BM, kFlashThreads, flash_smem_bytes<T, D>(), num_tokens,
+                      num_heads, stream, "paged_prefill_attention");
 }
 
 template <typename T, int D>
 static int launch_sm90(const Params& p, int64_t num_tokens, int num_heads, cudaStream_t stream) {
-  constexpr size_t smem = sm90_smem_bytes<D>();
-  if (int rc = allow_smem(sm90_prefill_kernel<T, D>, smem)) return rc;
-  Params pt = p;
-  pt.num_tiles = (int)(num_tokens / kSm90BM + p.num_seqs);
-  if (int rc = check_grid(pt.num_tiles, num_heads)) return rc;
-  sm90_prefill_kernel<T, D><<<(unsigned)pt.num_tiles * (unsigned)num_heads, kSm90Threads, smem, stream>>>(pt);
-  return check_launch("paged_prefill_attention (sm90)");
+  return launch_tiles(sm90_prefill_kernel<T, D>, p, kSm90BM, kSm90Threads, sm90_smem_bytes<D>(), num_tokens,
+                      num_heads, stream, "paged_prefill_attention (sm90)");
 }
 
 // The Hopper kernel's switch: 1 (default) on SM 9.0, 0 off (WLLM_PREFILL_SM90=0 or wllm_set_prefill_sm90).
