@@ -128,6 +128,8 @@ class Linear(nn.Module):
         """True when x should go through the Hopper GEMM (SM90_GEMM_ROWS rows, SM 9.0, no bias, a layout
         its TMA loads take) with this layer's weight or `weight` (a view of it)."""
         lo, hi = SM90_GEMM_ROWS
+        if hi <= 0:  # the default: off, decided before any tensor is looked at (eager decode is host-bound)
+            return False
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         if not (0 < rows and lo <= rows <= hi and x.is_cuda and self.bias is None):
             return False
