@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "attention_prefill_mma.cuh"
 #include "attention_prefill_simt.cuh"
@@ -333,8 +334,22 @@ static int launch_flash(const Params& p, int64_t num_tokens, int num_heads, cuda
 
 template <typename T, int D>
 static int launch_sm90(const Params& p, int64_t num_tokens, int num_heads, cudaStream_t stream) {
-  return launch_tiles(sm90_prefill_kernel<T, D>, p, kSm90BM, kSm90Threads, sm90_smem_bytes<D>(), num_tokens,
-                      num_heads, stream, "paged_prefill_attention (sm90)");
+  CUtensorMap map_k, map_v;
+  if (!sm90_cache_maps(p, D, std::is_same<T, __half>::value, &map_k, &map_v)) {
+    return launch_flash<T, D>(p, num_tokens, num_heads, stream);  // a cache layout TMA cannot describe
+  }
+  auto kernel = sm90_prefill_kernel<T, D>;
+  const size_t smem = sm90_smem_bytes<D>();
+  if (int rc = allow_smem(kernel, smem)) return rc;
+  Params pt = p;
+  const int64_t tiles = num_tokens / kSm90BM + p.num_seqs;
+  if (tiles * num_heads >= (int64_t)1 << 31) {
+    return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_prefill_attention: %lld query tiles x %d heads is too large a grid",
+                (long long)tiles, num_heads);
+  }
+  pt.num_tiles = (int)tiles;
+  kernel<<<(unsigned)tiles * (unsigned)num_heads, kSm90Threads, smem, stream>>>(map_k, map_v, pt);
+  return check_launch("paged_prefill_attention (sm90)");
 }
 
 // The Hopper kernel's switch: 1 (default) on SM 9.0, 0 off (WLLM_PREFILL_SM90=0 or wllm_set_prefill_sm90).

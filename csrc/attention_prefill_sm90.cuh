@@ -2,9 +2,10 @@
 // warpgroup MMAs (wgmma), warp-specialised.
 //
 // A CTA computes 128 query rows of one head over tiles of BN keys with three warpgroups:
-//  - warpgroup 0 produces: its 128 threads gather the K and V tiles through the block table with cp.async
-//    into a 2-stage ring, in the 128-byte-swizzled layout wgmma reads (rows of 64 head dims, 16-byte chunk
-//    c of row r at c ^ (r % 8)), zero-filled past the context; full/empty mbarriers hand stages over;
+//  - warpgroup 0 produces: K and V tiles into a 2-stage ring, in the 128-byte-swizzled layout wgmma reads
+//    (rows of 64 head dims, 16-byte chunk c of row r at c ^ (r % 8)); a tile inside the context by TMA, one
+//    box per cache block, the last tile by its 128 threads' cp.async gathers, zero-filled past the context;
+//    full/empty mbarriers hand stages over;
 //  - warpgroups 1 and 2 consume, 64 query rows each (their Q rows loaded once, by themselves):
 //    S = Q K^T with both operands in shared memory (K-major), the online softmax on the fp32 accumulators
 //    in registers, O += P V with P straight from registers (an accumulator quad of 16 keys is the m64k16 A
@@ -36,6 +37,19 @@ constexpr size_t sm90_smem_bytes() {
   return (size_t)(kSm90BM + 2 * kSm90Stages * kSm90BN) * D * 2 + 4 * kSm90Stages * 8 + 1024;
 }
 
+// TMA descriptors of the K and V caches for sm90_prefill_kernel: [blocks][block rows][KV-head columns],
+// boxes of min(block size, BN) rows x 64 columns. The block count is not known here; the table only names
+// existing blocks, so the outer extent is simply large. False if TMA cannot describe the layout.
+inline bool sm90_cache_maps(const Params& p, int head_size, bool is_half, CUtensorMap* map_k, CUtensorMap* map_v) {
+  const int block_size = 1 << p.block_shift;
+  const uint64_t dims[3] = {(uint64_t)(p.num_kv_heads - 1) * (uint64_t)p.kv_head + (uint64_t)head_size,
+                            (uint64_t)block_size, (uint64_t)1 << 31};
+  const uint64_t strides[2] = {(uint64_t)p.kv_tok * 2, (uint64_t)p.kv_block * 2};
+  const uint32_t box[3] = {64, (uint32_t)(block_size < kSm90BN ? block_size : kSm90BN), 1};
+  return hopper::make_tensor_map(map_k, is_half, p.k, 3, dims, strides, box) &&
+         hopper::make_tensor_map(map_v, is_half, p.v, 3, dims, strides, box);
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Byte offset of 16-byte chunk c (of D / 8) of row r in a tile of `rows` rows: D / 64 column blocks of
 // rows x 128 bytes, 128-byte swizzled.
@@ -45,8 +59,12 @@ __device__ __forceinline__ uint32_t swizzled(int rows, int r, int c) {
 }
 #endif
 
+// map_k / map_v: TMA descriptors of the caches as [blocks][block rows][KV-head columns] with boxes of
+// min(block size, BN) rows x 64 columns (sm90_cache_maps).
 template <typename T, int D>
-__global__ void __launch_bounds__(kSm90Threads, 1) sm90_prefill_kernel(const Params p) {
+__global__ void __launch_bounds__(kSm90Threads, 1)
+    sm90_prefill_kernel(const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v,
+                        const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace hopper;
   constexpr int BM = kSm90BM, BN = kSm90BN, ST = kSm90Stages, CH = D / 8;
@@ -97,14 +115,42 @@ __global__ void __launch_bounds__(kSm90Threads, 1) sm90_prefill_kernel(const Par
         cp_async_16(smem + (dst - base) + dst0 + i * RPP * 128, src, ok ? 16 : 0);
       }
     };
+    // A tile wholly inside the context (and blocks of 8+ rows, whole swizzle atoms) comes by TMA: one
+    // thread issues a box per cache block and 64-column block, the others only arrive. The last, partial
+    // tile takes the copies above for their zero fill. Either way the barrier counts 128 arrivals.
+    const int box_rows = min(1 << p.block_shift, BN), kv_col = (head / p.group) * (int)p.kv_head;
+    const bool tma = (1 << p.block_shift) >= 8;
+    auto tma_tile = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int n0) {
+      if (wt == 0) {
+        mbar_expect_tx(bar, KV_BYTES);
+        for (int r = 0; r < BN; r += box_rows) {
+          const int key = n0 + r, blk = table[key >> p.block_shift];
+#pragma unroll
+          for (int cb = 0; cb < D / 64; ++cb) {
+            tma_load_3d(dst + cb * BN * 128 + r * 128, map, kv_col + cb * 64, key & block_mask, blk, bar);
+          }
+        }
+      } else {
+        mbar_arrive(bar);
+      }
+    };
     for (int it = 0; it < kr.n_tiles; ++it) {
       const int s = it % ST, phase = (it / ST) & 1, n0 = kr.first_n0 + it * BN;
+      const bool whole = tma && n0 + BN <= ctx;
       mbar_wait(empty_k + 8 * s, phase ^ 1);
-      load(s_k + s * KV_BYTES, static_cast<const T*>(p.k), n0);
-      mbar_arrive_cp_async(full_k + 8 * s);
+      if (whole) {
+        tma_tile(s_k + s * KV_BYTES, &map_k, full_k + 8 * s, n0);
+      } else {
+        load(s_k + s * KV_BYTES, static_cast<const T*>(p.k), n0);
+        mbar_arrive_cp_async(full_k + 8 * s);
+      }
       mbar_wait(empty_v + 8 * s, phase ^ 1);
-      load(s_v + s * KV_BYTES, static_cast<const T*>(p.v), n0);
-      mbar_arrive_cp_async(full_v + 8 * s);
+      if (whole) {
+        tma_tile(s_v + s * KV_BYTES, &map_v, full_v + 8 * s, n0);
+      } else {
+        load(s_v + s * KV_BYTES, static_cast<const T*>(p.v), n0);
+        mbar_arrive_cp_async(full_v + 8 * s);
+      }
     }
     cp_async_commit();  // leave no copy of this thread in flight behind it
     cp_async_wait_all();

@@ -54,9 +54,7 @@ __device__ __forceinline__ void tile_coords(int tile, int m_tiles, int n_tiles, 
 using hopper::mbar_init;
 using hopper::mbar_wait;
 
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
+using hopper::mbar_expect_tx;
 
 // Arrive on the barrier at the same shared offset in CTA `rank` of the cluster. The consumers only read
 // the stage they release, so no cluster-scope release is needed (it doubled the time when used).
@@ -323,35 +321,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, through cudart (the library does not link libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> fn{nullptr};
-  PFN_cuTensorMapEncodeTiled_v12000 f = fn.load(std::memory_order_acquire);
-  if (f == nullptr) {
-    cudaDriverEntryPointQueryResult q;
-    void* p = nullptr;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess) {
-      f = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-      fn.store(f, std::memory_order_release);
-    }
-    cudaGetLastError();
-  }
-  return f;
-}
-
 // 2-D map of a row-major [rows, cols] matrix with row stride ld (elements), boxes of box_rows x 64 elements,
 // 128-byte swizzled.
 bool make_map(CUtensorMap* map, CUtensorMapDataType type, const void* ptr, int64_t rows, int64_t cols, int64_t ld,
               int box_rows) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = encode_fn();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld) * 2};
-  const cuuint32_t box[2] = {64, static_cast<cuuint32_t>(box_rows)}, elem_strides[2] = {1, 1};
-  return encode(map, type, 2, const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(ld) * 2};
+  const uint32_t box[2] = {64, static_cast<uint32_t>(box_rows)};
+  return hopper::make_tensor_map(map, type == CU_TENSOR_MAP_DATA_TYPE_FLOAT16, ptr, 2, dims, strides, box);
 }
 
 constexpr int kMaxDevices = 64;
@@ -438,6 +415,44 @@ int launch(void* c, const void* a, const void* b, Shape shape, int64_t lda, int6
 }
 
 }  // namespace sm90
+
+namespace hopper {
+
+// cuTensorMapEncodeTiled from the driver, through cudart (the library does not link libcuda).
+static PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> fn{nullptr};
+  PFN_cuTensorMapEncodeTiled_v12000 f = fn.load(std::memory_order_acquire);
+  if (f == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    void* p = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess) {
+      f = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+      fn.store(f, std::memory_order_release);
+    }
+    cudaGetLastError();
+  }
+  return f;
+}
+
+bool make_tensor_map(CUtensorMap* map, bool is_half, const void* ptr, int rank, const uint64_t* dims,
+                     const uint64_t* strides, const uint32_t* box) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = encode_fn();
+  if (encode == nullptr || rank < 1 || rank > 5) return false;
+  cuuint64_t d[5], st[4];
+  cuuint32_t b[5], e[5];
+  for (int i = 0; i < rank; ++i) {
+    d[i] = dims[i];
+    b[i] = box[i];
+    e[i] = 1;
+    if (i + 1 < rank) st[i] = strides[i];
+  }
+  return encode(map, is_half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank,
+                const_cast<void*>(ptr), d, st, b, e, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace hopper
 }  // namespace WLLM_NS
 
 WLLM_API int WLLM_FN(wllm_gemm_sm90_supported)(void) {

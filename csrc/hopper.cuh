@@ -2,6 +2,8 @@
 // group control and shared-memory matrix descriptors. Only defined for device code compiled with the
 // sm_90a feature set (__CUDA_ARCH_FEAT_SM90_ALL); callers guard their use the same way.
 #pragma once
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <stdint.h>
 
 #include "common.cuh"
@@ -17,6 +19,22 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 // Makes the barrier inits visible to the other threads of the cluster (and to the async proxy).
 __device__ __forceinline__ void fence_mbar_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Arrives and adds `bytes` to the transaction count the current phase waits for (TMA loads complete them).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// TMA load of one box of a 3-D tensor map at coordinates (c0, c1, c2) into shared memory at `dst`, counted
+// on the barrier at `bar`.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
 }
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
@@ -70,6 +88,12 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes
   return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lead_bytes >> 4) << 16) |
          (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
 }
+
+// Host: a TMA descriptor of a fp16/bf16 tensor of `rank` dimensions (innermost first; strides in bytes for
+// dimensions 1..rank-1), boxes of `box` elements, 128-byte swizzled. False when the driver cannot encode
+// it (too old, or a layout TMA does not take).
+bool make_tensor_map(CUtensorMap* map, bool is_half, const void* ptr, int rank, const uint64_t* dims,
+                     const uint64_t* strides, const uint32_t* box);
 
 }  // namespace hopper
 }  // namespace WLLM_NS
