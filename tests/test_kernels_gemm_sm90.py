@@ -241,6 +241,8 @@ def test_kernel_refuses_bad_layouts() -> None:
 def test_row_range_setting() -> None:
     assert linear_module._row_range("129,1024") == (129, 1024)
     assert linear_module._row_range("0") == (0, 0)
+    with pytest.warns(UserWarning, match="not 'lo,hi'"):
+        assert linear_module._row_range("many") == (0, 0)
 
 
 @pytest.mark.cuda

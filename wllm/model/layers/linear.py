@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,8 +41,14 @@ _GEMV_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _row_range(text: str) -> tuple[int, int]:
+    """The row range in "lo,hi" (or one number); anything else is off, (0, 0), with a warning saying why."""
     lo, _, hi = text.partition(",")
-    return int(lo), int(hi or lo)
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        warnings.warn(f"WLLM_SM90_GEMM_ROWS={text!r} is not 'lo,hi' (two integers); the Hopper GEMM stays off",
+                      stacklevel=2)
+        return 0, 0
 
 
 # Batches of SM90_GEMM_ROWS[0]..SM90_GEMM_ROWS[1] rows on an SM 9.0 GPU take our Hopper GEMM
