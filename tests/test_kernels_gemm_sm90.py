@@ -245,6 +245,14 @@ def test_row_range_setting() -> None:
         assert linear_module._row_range("many") == (0, 0)
 
 
+def test_integer_setting_falls_back_with_a_warning(monkeypatch) -> None:
+    monkeypatch.setenv("WLLM_TEST_ROWS", "12")
+    assert linear_module._env_int("WLLM_TEST_ROWS", 16) == 12
+    monkeypatch.setenv("WLLM_TEST_ROWS", "sixteen")
+    with pytest.warns(UserWarning, match="not an integer; using 16"):
+        assert linear_module._env_int("WLLM_TEST_ROWS", 16) == 16
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [99, 100, 240, 300, 301])
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])

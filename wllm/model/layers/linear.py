@@ -32,7 +32,17 @@ GEMV_MAX_ROWS = 2
 # RESULTS.md session 6): Qwen2.5-0.5B's qkv / o / down at 4-16 rows 1.6-1.8x / 1.6-2.1x / 1.03-1.16x of
 # cuBLAS; its 17 MB gate_up 0.80-0.92x and Llama-3.1-8B's 34-235 MB matrices 0.85-1.19x (mostly below), so
 # larger weights stay on cuBLAS. WLLM_GEMV_MMA_MAX_ROWS=0 keeps every such batch on cuBLAS (A/B runs).
-GEMV_MMA_MAX_ROWS = int(os.environ.get("WLLM_GEMV_MMA_MAX_ROWS", "16"))
+def _env_int(name: str, default: int) -> int:
+    """An integer switch from the environment; a malformed value warns and keeps the default."""
+    text = os.environ.get(name, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        warnings.warn(f"{name}={text!r} is not an integer; using {default}", stacklevel=2)
+        return default
+
+
+GEMV_MMA_MAX_ROWS = _env_int("WLLM_GEMV_MMA_MAX_ROWS", 16)
 GEMV_MMA_MAX_WEIGHT_BYTES = 10 << 20
 GEMV_SMALL_WEIGHT_BYTES = 18 << 20
 GEMV_WIDE_MIN_K = 2048
