@@ -137,20 +137,18 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     for (int it = 0; it < kr.n_tiles; ++it) {
       const int s = it % ST, phase = (it / ST) & 1, n0 = kr.first_n0 + it * BN;
       const bool whole = tma && n0 + BN <= ctx;
-      mbar_wait(empty_k + 8 * s, phase ^ 1);
-      if (whole) {
-        tma_tile(s_k + s * KV_BYTES, &map_k, full_k + 8 * s, n0);
-      } else {
-        load(s_k + s * KV_BYTES, static_cast<const T*>(p.k), n0);
-        mbar_arrive_cp_async(full_k + 8 * s);
-      }
-      mbar_wait(empty_v + 8 * s, phase ^ 1);
-      if (whole) {
-        tma_tile(s_v + s * KV_BYTES, &map_v, full_v + 8 * s, n0);
-      } else {
-        load(s_v + s * KV_BYTES, static_cast<const T*>(p.v), n0);
-        mbar_arrive_cp_async(full_v + 8 * s);
-      }
+      // This tile of one cache (K or V) into stage s of its ring, once the consumers have released it.
+      auto fill = [&](uint32_t ring, uint32_t full, uint32_t empty, const CUtensorMap* map, const void* cache) {
+        mbar_wait(empty + 8 * s, phase ^ 1);
+        if (whole) {
+          tma_tile(ring + s * KV_BYTES, map, full + 8 * s, n0);
+        } else {
+          load(ring + s * KV_BYTES, static_cast<const T*>(cache), n0);
+          mbar_arrive_cp_async(full + 8 * s);
+        }
+      };
+      fill(s_k, full_k, empty_k, &map_k, p.k);
+      fill(s_v, full_v, empty_v, &map_v, p.v);
     }
     cp_async_commit();  // leave no copy of this thread in flight behind it
     cp_async_wait_all();

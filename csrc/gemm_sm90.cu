@@ -51,10 +51,9 @@ __device__ __forceinline__ void tile_coords(int tile, int m_tiles, int n_tiles, 
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+using hopper::mbar_expect_tx;
 using hopper::mbar_init;
 using hopper::mbar_wait;
-
-using hopper::mbar_expect_tx;
 
 // Arrive on the barrier at the same shared offset in CTA `rank` of the cluster. The consumers only read
 // the stage they release, so no cluster-scope release is needed (it doubled the time when used).
@@ -97,7 +96,8 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-__device__ __forceinline__ void warpgroup_sync(int w) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + w) : "memory"); }
+// Named barrier 1 + w over the 128 threads of consumer warpgroup w.
+__device__ __forceinline__ void warpgroup_sync(int w) { hopper::named_sync(1 + w, 128); }
 
 __device__ __forceinline__ void flag_release(int* flag) {
   asm volatile("st.release.gpu.global.s32 [%0], 1;\n" ::"l"(flag) : "memory");
