@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from wllm import kernels
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import _lib, reference
+from wllm.kernels.ops import persistent_workspace
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -117,6 +119,36 @@ def test_missing_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_p
     with pytest.raises(kernels.KernelLibraryError, match="CPU-only install"):
         _lib.binding(0)
     assert kernels.available() is False
+
+
+def test_persistent_workspace_is_made_once_and_not_under_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workspace helper the sampler and the Hopper GEMM share: sized by the library, zeroed, made once
+    per device and reused; while a graph is being captured without one it returns None (no allocation in
+    the graph's pool). CPU tensors stand in for the device."""
+
+    class FakeLib:
+        calls = 0
+
+        def wllm_test_workspace_size(self, size_ref):
+            FakeLib.calls += 1
+            size_ref._obj.value = 24
+            return 0
+
+        def check(self, rc: int, what: str) -> None:
+            assert rc == 0 and what == "test_workspace_size"
+
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cache: dict[int, torch.Tensor] = {}
+    device = torch.device("cpu", 0)
+    assert persistent_workspace(cache, device, FakeLib(), "wllm_test_workspace_size") is None and cache == {}
+    capturing[0] = False
+    first = persistent_workspace(cache, device, FakeLib(), "wllm_test_workspace_size")
+    assert first.dtype == torch.uint8 and first.numel() == 24 and not first.any()
+    capturing[0] = True  # made already: handed out during a capture too
+    assert persistent_workspace(cache, device, FakeLib(), "wllm_test_workspace_size") is first
+    assert FakeLib.calls == 1 and cache == {0: first}
 
 
 # ------------------------------------------------------------------------------------------

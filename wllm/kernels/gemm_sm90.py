@@ -14,7 +14,6 @@ SM 9.0 GPUs only (`supported`); `reference.gemm` computes the same thing elsewhe
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -24,7 +23,7 @@ from wllm.kernels import _lib, reference
 # The C ABI's dtype and activation codes, the same as wllm_gemv's (its prologue codes are our epilogues).
 from wllm.kernels.gemv import _DTYPES
 from wllm.kernels.gemv import PROLOGUES as EPILOGUES
-from wllm.kernels.ops import _is_compiling, _rows, _stream
+from wllm.kernels.ops import _is_compiling, _rows, _stream, persistent_workspace
 
 # The C ABI's schedule codes: auto chooses stream-K where whole tiles would leave SMs idle.
 SCHEDULES: dict[str, int] = {"auto": 0, "tiles": 1, "stream_k": 2}
@@ -71,23 +70,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, activation: str | None, schedu
     return weight.shape[0] if activation is None else weight.shape[0] // 2
 
 
+# The stream-K workspace per device (128 KB per SM; without one, e.g. captured first, whole tiles only).
 _WORKSPACES: dict[int, torch.Tensor] = {}
-
-
-def _workspace(device: torch.device, lib: _lib.Binding) -> torch.Tensor | None:
-    """The stream-K workspace for `device` (zeroed uint8, 128 KB per SM), made on first use and kept: the
-    kernel leaves its flags zero, so one allocation serves every later call and graph replay. None while a
-    CUDA graph is being captured without one (an allocation would belong to the graph's pool); the kernel
-    then keeps to whole tiles (same results)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    workspace = _WORKSPACES.get(index)
-    if workspace is None and not torch.cuda.is_current_stream_capturing():
-        size = ctypes.c_int64(0)
-        with torch.cuda.device(index):
-            lib.check(lib.wllm_gemm_sm90_workspace_size(ctypes.byref(size)), "gemm_sm90_workspace_size")
-        workspace = torch.zeros(size.value, dtype=torch.uint8, device=device)
-        _WORKSPACES[index] = workspace
-    return workspace
 
 
 def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str | None, schedule: str = "auto") -> torch.Tensor:
@@ -99,7 +83,7 @@ def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str | None, sc
     ldc = -(-n // 8) * 8
     out = torch.empty((x2.shape[0], ldc), dtype=x.dtype, device=x.device)[:, :n]
     lib = _lib.binding(x.device.index or 0)
-    workspace = _workspace(x.device, lib)
+    workspace = persistent_workspace(_WORKSPACES, x.device, lib, "wllm_gemm_sm90_workspace_size")
     lib.check(lib.wllm_gemm_sm90(out.data_ptr(), x2.data_ptr(), w.data_ptr(), x2.shape[0], n, k, x2.stride(0),
                                  w.stride(0), ldc, EPILOGUES[activation], _DTYPES[x.dtype],
                                  workspace.data_ptr() if workspace is not None else None,

@@ -8,6 +8,8 @@ decode loop is host-bound on small models.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from wllm.kernels import _lib, reference
@@ -46,6 +48,23 @@ def _rows(t: torch.Tensor, hidden: int, what: str) -> torch.Tensor:
     except RuntimeError as exc:
         raise ValueError(f"{what}: tensor of shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed "
                          "as rows; make it contiguous") from exc
+
+
+def persistent_workspace(cache: dict[int, torch.Tensor], device: torch.device, lib: _lib.Binding,
+                         size_function: str) -> torch.Tensor | None:
+    """A zeroed uint8 workspace for `device` of the bytes the library's `size_function` reports, made on
+    first use and kept in `cache`: kernels that take such a workspace leave it zeroed, so one allocation
+    serves every later call and graph replay. None while a CUDA graph is being captured without one (an
+    allocation then would belong to the graph's private pool); those kernels then run without it."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    workspace = cache.get(index)
+    if workspace is None and not torch.cuda.is_current_stream_capturing():
+        size = ctypes.c_int64(0)
+        with torch.cuda.device(index):  # sizes may depend on the device (its SM count)
+            lib.check(getattr(lib, size_function)(ctypes.byref(size)), size_function.removeprefix("wllm_"))
+        workspace = torch.zeros(size.value, dtype=torch.uint8, device=device)
+        cache[index] = workspace
+    return workspace
 
 
 def _stream(t: torch.Tensor) -> int:

@@ -5,7 +5,6 @@ inputs."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 from collections.abc import Sequence
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from wllm.kernels import _lib, reference
-from wllm.kernels.ops import _is_compiling, _stream
+from wllm.kernels.ops import _is_compiling, _stream, persistent_workspace
 
 
 def _cuda_sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
@@ -51,7 +50,8 @@ def _cuda_sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: tor
         return t.data_ptr() if t is not None else None
 
     lib = _lib.binding(logits.device.index or 0)
-    workspace = _sample_workspace(logits.device, lib)
+    # Without one (a graph captured first) the kernel runs one block per row: same results, slower.
+    workspace = persistent_workspace(_SAMPLE_WORKSPACES, logits.device, lib, "wllm_sample_workspace_size")
     lib.check(lib.wllm_sample(
         logits.data_ptr(), num_rows, vocab, logits.stride(0), params_f32.contiguous().data_ptr(),
         params_i64.contiguous().data_ptr(), *(ptr(t) for t in csr[0]), *(ptr(t) for t in csr[1]), saved.data_ptr(),
@@ -61,21 +61,6 @@ def _cuda_sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: tor
 
 
 _SAMPLE_WORKSPACES: dict[int, torch.Tensor] = {}
-
-
-def _sample_workspace(device: torch.device, lib: _lib.Binding) -> torch.Tensor | None:
-    """The sampler's zeroed workspace for `device` (uint8, a few MB), made on first use and kept for the
-    process: the kernel leaves it zeroed, so one allocation serves every later call and graph replay.
-    None while a CUDA graph is being captured without one: an allocation then would belong to the
-    graph's private pool; the kernel runs one block per row instead (same results, slower)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    workspace = _SAMPLE_WORKSPACES.get(index)
-    if workspace is None and not torch.cuda.is_current_stream_capturing():
-        size = ctypes.c_int64(0)
-        lib.check(lib.wllm_sample_workspace_size(ctypes.byref(size)), "sample_workspace_size")
-        workspace = torch.zeros(size.value, dtype=torch.uint8, device=device)
-        _SAMPLE_WORKSPACES[index] = workspace
-    return workspace
 
 
 @torch.library.custom_op("wllm::sample", mutates_args=("logits",))
