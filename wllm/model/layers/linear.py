@@ -18,6 +18,17 @@ from wllm.kernels.gemm_sm90 import fits as gemm_sm90_fits
 from wllm.kernels.gemm_sm90 import supported as gemm_sm90_supported
 from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
 
+
+def _env_int(name: str, default: int) -> int:
+    """An integer switch from the environment; a malformed value warns and keeps the default."""
+    text = os.environ.get(name, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        warnings.warn(f"{name}={text!r} is not an integer; using {default}", stacklevel=2)
+        return default
+
+
 # Which decode matmuls take the skinny-GEMM kernel instead of cuBLAS, from the H200 measurements
 # (benchmarks/kernels_gemv.py and A/B runs of `wllm bench latency`, RESULTS.md): up to GEMV_MAX_ROWS
 # rows when the weight is at most GEMV_SMALL_WEIGHT_BYTES (Qwen2.5-0.5B's qkv, o, down: 1.1-1.5x at
@@ -32,16 +43,6 @@ GEMV_MAX_ROWS = 2
 # RESULTS.md session 6): Qwen2.5-0.5B's qkv / o / down at 4-16 rows 1.6-1.8x / 1.6-2.1x / 1.03-1.16x of
 # cuBLAS; its 17 MB gate_up 0.80-0.92x and Llama-3.1-8B's 34-235 MB matrices 0.85-1.19x (mostly below), so
 # larger weights stay on cuBLAS. WLLM_GEMV_MMA_MAX_ROWS=0 keeps every such batch on cuBLAS (A/B runs).
-def _env_int(name: str, default: int) -> int:
-    """An integer switch from the environment; a malformed value warns and keeps the default."""
-    text = os.environ.get(name, str(default))
-    try:
-        return int(text)
-    except ValueError:
-        warnings.warn(f"{name}={text!r} is not an integer; using {default}", stacklevel=2)
-        return default
-
-
 GEMV_MMA_MAX_ROWS = _env_int("WLLM_GEMV_MMA_MAX_ROWS", 16)
 GEMV_MMA_MAX_WEIGHT_BYTES = 10 << 20
 GEMV_SMALL_WEIGHT_BYTES = 18 << 20
@@ -141,17 +142,16 @@ class Linear(nn.Module):
         wide_one_row = x.numel() == width and self.in_features >= GEMV_WIDE_MIN_K and nbytes <= GEMV_MAX_WEIGHT_BYTES
         return (nbytes <= GEMV_SMALL_WEIGHT_BYTES or wide_one_row) and kernels_available(index)
 
-    def use_sm90(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-        """True when x should go through the Hopper GEMM (SM90_GEMM_ROWS rows, SM 9.0, no bias, a layout
-        its TMA loads take) with this layer's weight or `weight` (a view of it)."""
+    def use_sm90(self, x: torch.Tensor) -> bool:
+        """True when x should go through the Hopper GEMM with this layer's weight (SM90_GEMM_ROWS rows,
+        SM 9.0, no bias, a layout its TMA loads take)."""
         lo, hi = SM90_GEMM_ROWS
         if hi <= 0:  # the default: off, decided before any tensor is looked at (eager decode is host-bound)
             return False
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
         if not (0 < rows and lo <= rows <= hi and x.is_cuda and self.bias is None):
             return False
-        weight = self.weight if weight is None else weight
-        return gemm_sm90_supported(x.device.index or 0) and gemm_sm90_fits(x, weight)
+        return gemm_sm90_supported(x.device.index or 0) and gemm_sm90_fits(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_gemv(x):
