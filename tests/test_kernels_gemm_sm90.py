@@ -13,6 +13,7 @@ import importlib
 
 import pytest
 import torch
+from model_utils import cuda_gated_mlp
 
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import gemm_sm90, reference
@@ -20,7 +21,6 @@ from wllm.kernels.gemm_sm90 import _cuda_gemm, fits, supported
 from wllm.model.layers import linear as linear_module
 from wllm.model.layers import mlp as mlp_module
 from wllm.model.layers.linear import Linear
-from wllm.model.layers.mlp import GatedMLP
 
 # The module (wllm.kernels re-exports its function under the same name).
 gemm_sm90_module = importlib.import_module("wllm.kernels.gemm_sm90")
@@ -272,9 +272,7 @@ def test_layers_take_the_hopper_gemm_in_their_row_range(rows: int, act: str, mon
     monkeypatch.setattr(mlp_module, "gemm_sm90", spy)
     monkeypatch.setattr(linear_module, "gemm_sm90", spy)
     torch.manual_seed(7)
-    mlp = GatedMLP(512, 1408, act).to("cuda", torch.bfloat16)
-    mlp.gate_up_proj.weight.data.normal_(std=512**-0.5)
-    mlp.down_proj.weight.data.normal_(std=1408**-0.5)
+    mlp = cuda_gated_mlp(512, 1408, act)
     x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     out = mlp(x)
     assert calls == ([mlp.fused_act, None] if 100 <= rows <= 300 else [])

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from model_utils import cuda_gated_mlp
 
 from wllm import kernels
 from wllm.engine.cuda_graphs import capture_graph
@@ -23,7 +24,7 @@ from wllm.model.layers import linear as linear_module
 from wllm.model.layers import mlp as mlp_module
 from wllm.model.layers.embedding import LM_HEAD_GEMV_MAX_ROWS, compute_logits
 from wllm.model.layers.linear import GEMV_MAX_ROWS, Linear
-from wllm.model.layers.mlp import GATED_GEMV_MIN_INTERMEDIATE, GEMV_MAX_FUSED_ROWS, GatedMLP
+from wllm.model.layers.mlp import GATED_GEMV_MIN_INTERMEDIATE, GEMV_MAX_FUSED_ROWS
 
 DTYPES = [torch.float16, torch.bfloat16]
 ACTIVATIONS = [None, "silu", "gelu_tanh"]
@@ -565,9 +566,7 @@ def test_gated_mlp_fuses_the_activation_into_a_gemv(gated: bool, act: str, rows:
 
     monkeypatch.setattr(mlp_module, "gemv", spy)
     torch.manual_seed(5)
-    mlp = GatedMLP(256, 704, act).to("cuda", torch.bfloat16)
-    mlp.gate_up_proj.weight.data.normal_(std=256**-0.5)
-    mlp.down_proj.weight.data.normal_(std=704**-0.5)
+    mlp = cuda_gated_mlp(256, 704, act)
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
     gate, up = (x.float() @ mlp.gate_up_proj.weight.float().t()).to(x.dtype).chunk(2, dim=-1)
     hidden = (mlp.act(gate.float()) * up.float()).to(x.dtype)
@@ -586,9 +585,7 @@ def test_gated_mlp_policy_by_size(inter: int, gated: bool, monkeypatch) -> None:
     real = mlp_module.gemv
     monkeypatch.setattr(mlp_module, "gemv",
                         lambda *a, **kw: kinds.append("out" if kw.get("output_activation") else "in") or real(*a, **kw))
-    mlp = GatedMLP(2048, inter, "silu").to("cuda", torch.bfloat16)
-    mlp.gate_up_proj.weight.data.normal_(std=2048**-0.5)
-    mlp.down_proj.weight.data.normal_(std=inter**-0.5)
+    mlp = cuda_gated_mlp(2048, inter, "silu")
     mlp(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16))
     assert kinds == ["out" if gated else "in"]
 
