@@ -366,7 +366,7 @@ def test_sample_cuda_same_token_for_any_batch_and_split(monkeypatch: pytest.Monk
             rows[batch // 2] = target
             tok, _, _ = kernels.sample(logits, **kernels.pack_sampling_rows(rows, "cuda"))
             assert tok[batch // 2].item() == alone, f"batch {batch}: {target.params}"
-        monkeypatch.setattr(kernels.sampling, "_sample_workspace", lambda device, lib: None)
+        monkeypatch.setattr(kernels.sampling, "persistent_workspace", lambda *args: None)
         one_block, _, _ = kernels.sample(target_logits.clone(), **kernels.pack_sampling_rows([target], "cuda"))
         monkeypatch.undo()
         assert one_block[0].item() == alone, f"one block per row: {target.params}"
