@@ -259,6 +259,80 @@ __device__ __forceinline__ void issue_tile(unsigned char* stage, const T* k_cach
   }
 }
 
+// sm_90+ device code: the tensor-core kernel's K and V rows come by bulk copies (the TMA engine), one
+// instruction per row instead of D / 8 16-byte cp.async with their address arithmetic each; the
+// instruction issue of those copies was what kept its few warps per SM (shared memory allows six 2-warp
+// CTAs) from keeping more bytes in flight.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr bool kBulkRows = true;
+#else
+constexpr bool kBulkRows = false;
+#endif
+
+__device__ __forceinline__ void bar_init(uint64_t* bar, unsigned count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
+// Waits for the completion of the barrier's phase of parity `parity`.
+__device__ __forceinline__ void bar_wait(uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+
+// Arrives on the barrier expecting `bytes` more, then copies them from global to shared memory, counted
+// on the same barrier.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned b = smem_addr(bar);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(b)
+               : "memory");
+#endif
+}
+
+// issue_tile for kBulkRows: thread t copies row t % TT of K (t < TT) or V as one bulk copy and arrives on
+// the stage's barrier (which counts THREADS arrivals); a row left out or past `end` only arrives (rows past
+// `end` zero-filled first with ZERO_TAIL).
+template <typename TL, bool ZERO_TAIL, typename T>
+__device__ __forceinline__ void issue_tile_bulk(unsigned char* stage, uint64_t* bar, const T* k_cache,
+                                                const T* v_cache, const int (*ids)[TL::THREADS], int tb0, int tile0,
+                                                int end, const Params& p, int block_mask, int skip_pos) {
+  static_assert(2 * TL::TT == TL::THREADS, "one K or V row per thread");
+  const int row = (int)threadIdx.x % TL::TT, is_v = (int)threadIdx.x / TL::TT;
+  const int pos = tile0 + row;
+  unsigned char* dst = stage + is_v * TL::TT * TL::ROW_BYTES + row * TL::ROW_BYTES;
+  if (pos < end && pos != skip_pos) {
+    const int id = window_id<TL::THREADS>(ids, (pos >> p.block_shift) - tb0);
+    const int64_t off = (int64_t)id * p.block_stride + (int64_t)(pos & block_mask) * p.token_stride;
+    bulk_copy(dst, (is_v ? v_cache : k_cache) + off, TL::CPR * 16, bar);
+    return;
+  }
+  if (ZERO_TAIL && pos >= end) {
+#pragma unroll
+    for (int c = 0; c < TL::CPR; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  bar_arrive(bar);
+}
+
 // What one CTA covers: blockIdx.x = sequence * (KV heads x chunks) + KV-head chunk, so the CTAs of one
 // sequence's heads are launched together and read the interleaved head rows of the same cache blocks at
 // about the same time (DRAM pages opened once rather than once per wave); blockIdx.z = split.
@@ -305,8 +379,10 @@ __device__ __forceinline__ bool plan_work(const Params& p, Work& w) {
 }
 
 // The K/V pipeline of one CTA: block-id windows and the tile copies ahead of the one being computed.
-template <typename TL, bool ZERO_TAIL, typename T>
+// BULK: rows by bulk copies completing on one mbarrier per stage (issue_tile_bulk), else cp.async groups.
+template <typename TL, bool ZERO_TAIL, typename T, bool BULK = false>
 struct Pipeline {
+  uint64_t* bars;  // BULK: [S] stage barriers in shared memory
   const T* k_cache;
   const T* v_cache;
   const int32_t* table;
@@ -321,7 +397,11 @@ struct Pipeline {
   // straight into its stage; the __syncthreads at the top of the tile loop publishes it with the
   // cp.async data). Tiles issued in the main loop come after the wait.
   __device__ __forceinline__ void start(const Params& p, const Work& w, unsigned char* smem,
-                                        int (*s_ids)[TL::THREADS]) {
+                                        int (*s_ids)[TL::THREADS], uint64_t* stage_bars = nullptr) {
+    bars = stage_bars;
+    if (BULK && threadIdx.x == 0) {
+      for (int s = 0; s < TL::S; ++s) bar_init(bars + s, TL::THREADS);  // published by the __syncthreads below
+    }
     k_cache = static_cast<const T*>(p.k_cache) + (int64_t)w.kv_head * p.head_stride;
     v_cache = static_cast<const T*>(p.v_cache) + (int64_t)w.kv_head * p.head_stride;
     table = p.block_tables + (int64_t)w.seq * p.block_table_stride;
@@ -343,10 +423,7 @@ struct Pipeline {
     const int newest = w.seq_len - 1;
 #pragma unroll
     for (int s = 0; s < TL::S - 1; ++s) {
-      if (s < num_tiles) {
-        issue_tile<TL, ZERO_TAIL>(smem + s * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, begin + s * TL::TT, end,
-                                  p, block_mask, newest);
-      }
+      if (s < num_tiles) issue(smem, s, s_ids, begin + s * TL::TT, p, newest);
       cp_async_commit();  // empty groups keep the group count uniform
     }
     pdl_wait_and_trigger<PDL_ATTENTION>();
@@ -363,10 +440,26 @@ struct Pipeline {
     }
   }
 
-  // Top of tile j: waits for it (this thread's copies, then everyone's: all threads are also done with
-  // tile j - 1), then issues tile j + S - 1 into the stage tile j - 1 used.
+  // Issues the copies of the tile starting at tile0 into `stage`.
+  __device__ __forceinline__ void issue(unsigned char* smem, int stage, const int (*s_ids)[TL::THREADS], int tile0,
+                                        const Params& p, int skip_pos) {
+    if constexpr (BULK) {
+      issue_tile_bulk<TL, ZERO_TAIL>(smem + stage * TL::STAGE_BYTES, bars + stage, k_cache, v_cache, s_ids, tb0,
+                                     tile0, end, p, block_mask, skip_pos);
+    } else {
+      issue_tile<TL, ZERO_TAIL>(smem + stage * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0, tile0, end, p,
+                                block_mask, skip_pos);
+    }
+  }
+
+  // Top of tile j: waits for it (this thread's copies or the stage's barrier, then everyone: all threads
+  // are also done with tile j - 1), then issues tile j + S - 1 into the stage tile j - 1 used.
   __device__ __forceinline__ void advance(int j, const Params& p, unsigned char* smem, int (*s_ids)[TL::THREADS]) {
-    cp_async_wait<TL::S - 2>();
+    if constexpr (BULK) {
+      bar_wait(bars + j % TL::S, (unsigned)(j / TL::S) & 1u);
+    } else {
+      cp_async_wait<TL::S - 2>();
+    }
     __syncthreads();
     if (j + TL::S - 1 < num_tiles) {
       const int tile_in = begin + (j + TL::S - 1) * TL::TT;
@@ -380,8 +473,7 @@ struct Pipeline {
         ++have;
         next_window = load_window<TL::THREADS>(table, tb0, tb_last, have + 1);
       }
-      issue_tile<TL, ZERO_TAIL>(smem + ((j + TL::S - 1) % TL::S) * TL::STAGE_BYTES, k_cache, v_cache, s_ids, tb0,
-                                tile_in, end, p, block_mask, -1);
+      issue(smem, (j + TL::S - 1) % TL::S, s_ids, tile_in, p, -1);
     }
     cp_async_commit();
   }
@@ -878,8 +970,9 @@ __global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Par
   if (!plan_work<T, D, TL::THREADS>(p, w)) return;
   // PDL: the block table and every K/V row but the newest (written by an earlier step) are read before
   // pdl_wait(); q and the newest row (just written by rotary_and_cache / reshape_and_cache) after it.
-  Pipeline<TL, true, T> pipe;
-  pipe.start(p, w, smem, s_ids);
+  __shared__ uint64_t s_bars[TL::S];
+  Pipeline<TL, true, T, kBulkRows> pipe;
+  pipe.start(p, w, smem, s_ids, s_bars);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int qd = lane & 3, qr = lane >> 2;  // position in the quad, quad (row group of the fragments)

@@ -304,18 +304,25 @@ static int allow_smem(K kernel, size_t bytes) {
               cudaGetErrorString(err));
 }
 
-// One CTA per (query tile of `rows` rows, head): reserve the shared memory, size the grid, launch.
-static int launch_tiles(void (*kernel)(Params), const Params& p, int rows, int threads, size_t smem,
-                        int64_t num_tokens, int num_heads, cudaStream_t stream, const char* what) {
-  if (int rc = allow_smem(kernel, smem)) return rc;
-  Params pt = p;
-  const int64_t tiles = num_tokens / rows + p.num_seqs;
+// The query tiles of a launch (num_tokens / rows + num_seqs: every sequence may start a partial tile) into
+// pt.num_tiles, or an error when tiles x heads overflows a 1-D grid.
+static int count_tiles(Params& pt, int rows, int64_t num_tokens, int num_heads) {
+  const int64_t tiles = num_tokens / rows + pt.num_seqs;
   if (tiles * num_heads >= (int64_t)1 << 31) {
     return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_prefill_attention: %lld query tiles x %d heads is too large a grid",
                 (long long)tiles, num_heads);
   }
   pt.num_tiles = (int)tiles;
-  kernel<<<(unsigned)tiles * (unsigned)num_heads, threads, smem, stream>>>(pt);
+  return WLLM_OK;
+}
+
+// One CTA per (query tile of `rows` rows, head): reserve the shared memory, size the grid, launch.
+static int launch_tiles(void (*kernel)(Params), const Params& p, int rows, int threads, size_t smem,
+                        int64_t num_tokens, int num_heads, cudaStream_t stream, const char* what) {
+  if (int rc = allow_smem(kernel, smem)) return rc;
+  Params pt = p;
+  if (int rc = count_tiles(pt, rows, num_tokens, num_heads)) return rc;
+  kernel<<<(unsigned)pt.num_tiles * (unsigned)num_heads, threads, smem, stream>>>(pt);
   return check_launch(what);
 }
 
@@ -342,13 +349,13 @@ static int launch_sm90(const Params& p, int64_t num_tokens, int num_heads, cudaS
   const size_t smem = sm90_smem_bytes<D>();
   if (int rc = allow_smem(kernel, smem)) return rc;
   Params pt = p;
-  const int64_t tiles = num_tokens / kSm90BM + p.num_seqs;
-  if (tiles * num_heads >= (int64_t)1 << 31) {
-    return fail(WLLM_ERR_INVALID_ARGUMENT, "paged_prefill_attention: %lld query tiles x %d heads is too large a grid",
-                (long long)tiles, num_heads);
-  }
-  pt.num_tiles = (int)tiles;
-  kernel<<<(unsigned)tiles * (unsigned)num_heads, kSm90Threads, smem, stream>>>(map_k, map_v, pt);
+  if (int rc = count_tiles(pt, kSm90BM, num_tokens, num_heads)) return rc;
+  DeviceProps dev;
+  if (int rc = current_device_props(&dev)) return rc;
+  // Persistent: one CTA per SM (its shared memory allows no second), each taking several work items.
+  const int64_t items = (int64_t)pt.num_tiles * num_heads;
+  const unsigned grid = (unsigned)(items < dev.sms ? items : dev.sms);
+  kernel<<<grid, kSm90Threads, smem, stream>>>(map_k, map_v, pt);
   return check_launch("paged_prefill_attention (sm90)");
 }
 

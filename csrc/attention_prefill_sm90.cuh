@@ -1,15 +1,19 @@
 // Hopper (SM 9.0) paged prefill attention: the online-softmax algorithm of flash_prefill_kernel on
-// warpgroup MMAs (wgmma), warp-specialised.
+// warpgroup MMAs (wgmma), warp-specialised and persistent.
 //
-// A CTA computes 128 query rows of one head over tiles of BN keys with three warpgroups:
-//  - warpgroup 0 produces: K and V tiles into a 2-stage ring, in the 128-byte-swizzled layout wgmma reads
-//    (rows of 64 head dims, 16-byte chunk c of row r at c ^ (r % 8)); a tile inside the context by TMA, one
-//    box per cache block, the last tile by its 128 threads' cp.async gathers, zero-filled past the context;
-//    full/empty mbarriers hand stages over;
-//  - warpgroups 1 and 2 consume, 64 query rows each (their Q rows loaded once, by themselves):
-//    S = Q K^T with both operands in shared memory (K-major), the online softmax on the fp32 accumulators
-//    in registers, O += P V with P straight from registers (an accumulator quad of 16 keys is the m64k16 A
-//    fragment) and V read N-major (head dims contiguous) from the same layout as K;
+// The grid has at most one CTA per SM; each CTA works through a list of work items (128 query rows of one
+// head) with three warpgroups:
+//  - warpgroup 0 produces: for each item, its Q rows into one of two Q buffers (cp.async, zero-filled past
+//    the sequence) together with the item's description, then its K and V tiles into a 2-stage ring that
+//    runs on across items, in the 128-byte-swizzled layout wgmma reads (rows of 64 head dims, 16-byte chunk
+//    c of row r at c ^ (r % 8)); a tile inside the context by TMA, one box per cache block, the last tile
+//    by its 128 threads' cp.async gathers, zero-filled past the context; full/empty mbarriers hand Q
+//    buffers and stages over. So the next item's Q and first tiles load while the consumers finish the
+//    current one and write its output: short prompts pay no per-item start-up latency;
+//  - warpgroups 1 and 2 consume, 64 query rows each: S = Q K^T with both operands in shared memory
+//    (K-major), the online softmax on the fp32 accumulators in registers, O += P V with P straight from
+//    registers (an accumulator quad of 16 keys is the m64k16 A fragment) and V read N-major (head dims
+//    contiguous) from the same layout as K;
 //  - the two consumers take turns on the tensor cores (named barriers): one issues its MMAs -- this tile's
 //    Q K^T together with the previous tile's P V -- while the other runs its softmax.
 // Compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); the launcher uses it on SM 9.0 for fp16/bf16 and
@@ -33,8 +37,10 @@ constexpr int kSm90Stages = 2;
 
 template <int D>
 constexpr size_t sm90_smem_bytes() {
-  // Q and the K and V rings, their barriers, and slack to align the tiles to 1024 bytes (the swizzle atom).
-  return (size_t)(kSm90BM + 2 * kSm90Stages * kSm90BN) * D * 2 + 4 * kSm90Stages * 8 + 1024;
+  // Two Q buffers and the K and V rings, their barriers, the two buffers' items, and slack to align the
+  // tiles to 1024 bytes (the swizzle atom).
+  return (size_t)(2 * kSm90BM + 2 * kSm90Stages * kSm90BN) * D * 2 + (4 * kSm90Stages + 4) * 8 + 2 * sizeof(Tile) +
+         1024;
 }
 
 // TMA descriptors of the K and V caches for sm90_prefill_kernel: [blocks][block rows][KV-head columns],
@@ -60,7 +66,9 @@ __device__ __forceinline__ uint32_t swizzled(int rows, int r, int c) {
 #endif
 
 // map_k / map_v: TMA descriptors of the caches as [blocks][block rows][KV-head columns] with boxes of
-// min(block size, BN) rows x 64 columns (sm90_cache_maps).
+// min(block size, BN) rows x 64 columns (sm90_cache_maps). Persistent: a grid of at most one CTA per SM,
+// CTA c taking work items c, 2G - 1 - c, 2G + c, ... (G CTAs; a snake over the heaviest-first item order,
+// so every CTA gets a similar mix of long and short causal tiles).
 template <typename T, int D>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     sm90_prefill_kernel(const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v,
@@ -72,21 +80,23 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   extern __shared__ unsigned char sm90_smem_raw[];
   const uint32_t base = (smem_addr(sm90_smem_raw) + 1023u) & ~1023u;
   unsigned char* const smem = sm90_smem_raw + (base - smem_addr(sm90_smem_raw));
-  const uint32_t s_q = base, s_k = base + Q_BYTES, s_v = s_k + ST * KV_BYTES;
+  const uint32_t s_q = base, s_k = base + 2 * Q_BYTES, s_v = s_k + ST * KV_BYTES;
   const uint32_t full_k = s_v + ST * KV_BYTES, full_v = full_k + 8 * ST, empty_k = full_v + 8 * ST,
-                 empty_v = empty_k + 8 * ST;
+                 empty_v = empty_k + 8 * ST, full_q = empty_v + 8 * ST, empty_q = full_q + 16;
+  // The item in each Q buffer, published by the producer with its Q rows (seq < 0: no more items).
+  Tile* const s_tile = reinterpret_cast<Tile*>(smem + (empty_q + 16 - base));
 
-  Tile t;
-  if (!locate_tile(p, BM, t)) return;  // the whole CTA, before any barrier
-  const KeyRange kr = key_range(t, BM, p.window, BN);
-  const int head = t.head, tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
-  const int ctx = t.ctx;
+  const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127;
   if (tid == 0) {
     for (int s = 0; s < ST; ++s) {
       mbar_init(full_k + 8 * s, 128);  // every producer thread's copies
       mbar_init(full_v + 8 * s, 128);
       mbar_init(empty_k + 8 * s, 2);  // both consumers
       mbar_init(empty_v + 8 * s, 2);
+    }
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(full_q + 8 * b, 129);  // every producer thread's Q copies, then the item published
+      mbar_init(empty_q + 8 * b, 2);
     }
     fence_mbar_init();
   }
@@ -98,57 +108,93 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     // swizzled offset only moves by whole 1024-byte atoms from pass to pass. Keys past the context are
     // zero-filled so that 0 * garbage (possibly NaN) never reaches the accumulators.
     constexpr int RPP = 128 / CH, PASSES = BN / RPP;
-    static_assert(RPP % 8 == 0 && BN % RPP == 0, "passes must keep the swizzle phase");
+    static_assert(RPP % 8 == 0 && BN % RPP == 0 && BM % RPP == 0, "passes must keep the swizzle phase");
     const int ch = wt % CH, r0 = wt / CH;
     const uint32_t dst0 = swizzled<D>(BN, r0, ch);
-    const int32_t* table = p.block_tables + (int64_t)t.seq * p.bt_stride;
-    const int64_t col = (int64_t)(head / p.group) * p.kv_head + ch * 8;
     const int block_mask = (1 << p.block_shift) - 1;
-    auto load = [&](uint32_t dst, const T* cache, int n0) {
-#pragma unroll
-      for (int i = 0; i < PASSES; ++i) {
-        const int key = n0 + r0 + i * RPP;
-        const bool ok = key < ctx;
-        const T* src = ok ? cache + (int64_t)table[key >> p.block_shift] * p.kv_block +
-                                (int64_t)(key & block_mask) * p.kv_tok + col
-                          : cache;
-        cp_async_16(smem + (dst - base) + dst0 + i * RPP * 128, src, ok ? 16 : 0);
-      }
-    };
-    // A tile wholly inside the context (and blocks of 8+ rows, whole swizzle atoms) comes by TMA: one
-    // thread issues a box per cache block and 64-column block, the others only arrive. The last, partial
-    // tile takes the copies above for their zero fill. Either way the barrier counts 128 arrivals.
-    const int box_rows = min(1 << p.block_shift, BN), kv_col = (head / p.group) * (int)p.kv_head;
+    const int box_rows = min(1 << p.block_shift, BN);
     const bool tma = (1 << p.block_shift) >= 8;
-    auto tma_tile = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int n0) {
-      if (wt == 0) {
-        mbar_expect_tx(bar, KV_BYTES);
-        for (int r = 0; r < BN; r += box_rows) {
-          const int key = n0 + r, blk = table[key >> p.block_shift];
-#pragma unroll
-          for (int cb = 0; cb < D / 64; ++cb) {
-            tma_load_3d(dst + cb * BN * 128 + r * 128, map, kv_col + cb * 64, key & block_mask, blk, bar);
-          }
+    const int total = p.num_tiles * p.group * p.num_kv_heads, grid = (int)gridDim.x;
+    int g = 0, j = 0;  // K/V tiles and items this CTA has produced
+    for (int r = 0; r * grid < total; ++r) {
+      const int item = r * grid + ((r & 1) ? grid - 1 - (int)blockIdx.x : (int)blockIdx.x);
+      Tile t;
+      if (item >= total || !locate_tile_at(p, BM, (unsigned)item, t)) continue;
+      const KeyRange kr = key_range(t, BM, p.window, BN);
+      const int32_t* table = p.block_tables + (int64_t)t.seq * p.bt_stride;
+      const int kv_col = (t.head / p.group) * (int)p.kv_head;
+      const int ctx = t.ctx;
+      {  // the item's Q rows into buffer j % 2, once the consumers are done with its previous item
+        const int b = j & 1;
+        mbar_wait(empty_q + 8 * b, ((j >> 1) & 1) ^ 1);
+        const T* q = static_cast<const T*>(p.q);
+#pragma unroll 4
+        for (int row = r0; row < BM; row += RPP) {
+          const bool ok = t.m0 + row < t.q_len;
+          const T* src = ok ? q + (int64_t)(t.q_begin + t.m0 + row) * p.q_tok + (int64_t)t.head * p.q_head + ch * 8 : q;
+          cp_async_16(smem + (s_q + b * Q_BYTES - base) + swizzled<D>(BM, row, ch), src, ok ? 16 : 0);
         }
-      } else {
-        mbar_arrive(bar);
+        mbar_arrive_cp_async(full_q + 8 * b);
+        if (wt == 0) {
+          s_tile[b] = t;
+          mbar_arrive(full_q + 8 * b);
+        }
       }
-    };
-    for (int it = 0; it < kr.n_tiles; ++it) {
-      const int s = it % ST, phase = (it / ST) & 1, n0 = kr.first_n0 + it * BN;
-      const bool whole = tma && n0 + BN <= ctx;
-      // This tile of one cache (K or V) into stage s of its ring, once the consumers have released it.
-      auto fill = [&](uint32_t ring, uint32_t full, uint32_t empty, const CUtensorMap* map, const void* cache) {
-        mbar_wait(empty + 8 * s, phase ^ 1);
-        if (whole) {
-          tma_tile(ring + s * KV_BYTES, map, full + 8 * s, n0);
-        } else {
-          load(ring + s * KV_BYTES, static_cast<const T*>(cache), n0);
-          mbar_arrive_cp_async(full + 8 * s);
+      auto load = [&](uint32_t dst, const T* cache, int n0) {
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) {
+          const int key = n0 + r0 + i * RPP;
+          const bool ok = key < ctx;
+          const T* src = ok ? cache + (int64_t)table[key >> p.block_shift] * p.kv_block +
+                                  (int64_t)(key & block_mask) * p.kv_tok + kv_col + ch * 8
+                            : cache;
+          cp_async_16(smem + (dst - base) + dst0 + i * RPP * 128, src, ok ? 16 : 0);
         }
       };
-      fill(s_k, full_k, empty_k, &map_k, p.k);
-      fill(s_v, full_v, empty_v, &map_v, p.v);
+      // A tile wholly inside the context (and blocks of 8+ rows, whole swizzle atoms) comes by TMA: one
+      // thread issues a box per cache block and 64-column block, the others only arrive. The last, partial
+      // tile takes the copies above for their zero fill. Either way the barrier counts 128 arrivals.
+      auto tma_tile = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int n0) {
+        if (wt == 0) {
+          mbar_expect_tx(bar, KV_BYTES);
+          for (int rr = 0; rr < BN; rr += box_rows) {
+            const int key = n0 + rr, blk = table[key >> p.block_shift];
+#pragma unroll
+            for (int cb = 0; cb < D / 64; ++cb) {
+              tma_load_3d(dst + cb * BN * 128 + rr * 128, map, kv_col + cb * 64, key & block_mask, blk, bar);
+            }
+          }
+        } else {
+          mbar_arrive(bar);
+        }
+      };
+      for (int it = 0; it < kr.n_tiles; ++it) {
+        const int s = (g + it) % ST, phase = ((g + it) / ST) & 1, n0 = kr.first_n0 + it * BN;
+        const bool whole = tma && n0 + BN <= ctx;
+        // This tile of one cache (K or V) into stage s of its ring, once the consumers have released it.
+        auto fill = [&](uint32_t ring, uint32_t full, uint32_t empty, const CUtensorMap* map, const void* cache) {
+          mbar_wait(empty + 8 * s, phase ^ 1);
+          if (whole) {
+            tma_tile(ring + s * KV_BYTES, map, full + 8 * s, n0);
+          } else {
+            load(ring + s * KV_BYTES, static_cast<const T*>(cache), n0);
+            mbar_arrive_cp_async(full + 8 * s);
+          }
+        };
+        fill(s_k, full_k, empty_k, &map_k, p.k);
+        fill(s_v, full_v, empty_v, &map_v, p.v);
+      }
+      g += kr.n_tiles;
+      ++j;
+    }
+    {  // no more items
+      const int b = j & 1;
+      mbar_wait(empty_q + 8 * b, ((j >> 1) & 1) ^ 1);
+      mbar_arrive(full_q + 8 * b);
+      if (wt == 0) {
+        s_tile[b].seq = -1;
+        mbar_arrive(full_q + 8 * b);
+      }
     }
     cp_async_commit();  // leave no copy of this thread in flight behind it
     cp_async_wait_all();
@@ -157,160 +203,162 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int cw = wg - 1, warp = wt >> 5, lane = tid & 31;
-  const int g = lane >> 2, t4 = lane & 3;
-  {  // this warpgroup's 64 query rows
-    const T* q = static_cast<const T*>(p.q);
-    for (int c = wt; c < 64 * CH; c += 128) {
-      const int row = cw * 64 + c / CH, ch = c % CH;
-      const bool ok = t.m0 + row < t.q_len;
-      const T* src = ok ? q + (int64_t)(t.q_begin + t.m0 + row) * p.q_tok + (int64_t)head * p.q_head + ch * 8 : q;
-      cp_async_16(smem + (s_q - base) + swizzled<D>(BM, row, ch), src, ok ? 16 : 0);
-    }
-    cp_async_commit();
-    cp_async_wait_all();
-    fence_proxy_async();
-    named_sync(1 + cw, 128);
-  }
-
+  const int g4 = lane >> 2, t4 = lane & 3;
   const bool capped = p.softcap > 0.0f;
   const float kLog2e = 1.4426950408889634f;
   const float pre = capped ? p.scale / p.softcap : p.scale * kLog2e;
   const float post = capped ? p.softcap * kLog2e : 1.0f;
   const float mul = capped ? 1.0f : pre;  // scores stay unscaled; the scale is folded into the exponent
 
-  float o[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  uint32_t pa[BN / 16][4];  // the previous tile's probabilities, A fragments of its P V
-
   // Turns on the tensor cores: consumer cw waits on named barrier 3 + cw, which the other one arrives at
-  // once it has issued its MMAs. Consumer 0 starts; turns strictly alternate, so every arrival meets its
-  // wait (consumer 1 does not hand back its last turn, which nobody would take).
+  // once it has issued its MMAs. Consumer 0 starts each item; turns strictly alternate, so every arrival
+  // meets its wait (consumer 1 does not hand back an item's last turn, which nobody would take).
   auto take_turn = [&]() { named_sync(3 + cw, 256); };
   auto pass_turn = [&]() { named_arrive(3 + (cw ^ 1), 256); };
-  // O += P V over the tile in stage `sv`: 16 keys (two 8-row groups, 2 KB) per step; V's 64-column blocks
-  // are BN * 128 bytes apart.
-  auto issue_pv = [&](int sv) {
-    const uint32_t v = s_v + sv * KV_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_nmajor<T, D>(o, pa[kk], smem_desc(v + kk * 2048, BN * 128), 1);
-  };
 
-  for (int it = 0; it < kr.n_tiles; ++it) {
-    const int n0 = kr.first_n0 + it * BN, s = it % ST, prev = (it + ST - 1) % ST;
-    mbar_wait(full_k + 8 * s, (it / ST) & 1);
-    if (it > 0) mbar_wait(full_v + 8 * prev, ((it - 1) / ST) & 1);
-    fence_proxy_async();
-    if (it > 0 || cw == 1) take_turn();
-    // This tile's S = Q K^T over this warpgroup's 64 rows, and the previous tile's P V.
-    float s_acc[BN / 2];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t cb = (kk >> 2), off = (kk & 3) * 32;
-      wgmma<T, BN>(s_acc, smem_desc(s_q + cb * BM * 128 + cw * 64 * 128 + off),
-                   smem_desc(s_k + s * KV_BYTES + cb * BN * 128 + off), kk > 0 ? 1 : 0);
-    }
-    if (it > 0) issue_pv(prev);
-    wgmma_commit();
-    pass_turn();
-    wgmma_wait<0>();
-    if (wt == 0) {
-      mbar_arrive(empty_k + 8 * s);
-      if (it > 0) mbar_arrive(empty_v + 8 * prev);
-    }
+  int g = 0;  // K/V tiles this CTA has consumed: the ring position
+  for (int j = 0;; ++j) {
+    const int b = j & 1;
+    mbar_wait(full_q + 8 * b, (j >> 1) & 1);
+    const Tile t = s_tile[b];
+    if (t.seq < 0) break;
+    fence_proxy_async();  // Q came by cp.async (generic proxy); wgmma reads it through the async proxy
+    const KeyRange kr = key_range(t, BM, p.window, BN);
+    const uint32_t q_buf = s_q + b * Q_BYTES;
+    if (kr.n_tiles == 0 && wt == 0) mbar_arrive(empty_q + 8 * b);
 
-    if (capped) {
+    float o[D / 2];
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) s_acc[i] = tanhf(s_acc[i] * pre) * post;
-    }
-    // Online softmax. Thread holds rows g and g + 8 (h = 0, 1) of its warp's 16, columns 8 j + 2 t4 + {0, 1}
-    // in s_acc[4 j + 2 h + {0, 1}]; a row's 4 threads are lanes 4 g .. 4 g + 3. Whole tile visible to every
-    // row of the CTA: no mask. Else key n0 + 8 j + 2 t4 + e is visible to position qpos iff lo < it <= qpos:
-    // one compare per bound against the column offset 8 j + e. Keys past the context need no test: they
-    // are zero-filled (finite scores), and the rows that could see them (qpos >= ctx) are past the
-    // sequence's queries, never written.
-    const bool full = n0 + BN - 1 <= kr.qp_first && (p.window <= 0 || n0 > kr.qp_last - p.window);
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    uint32_t pa[BN / 16][4];  // the previous tile's probabilities, A fragments of its P V
+
+    // O += P V over the tile in stage `sv`: 16 keys (two 8-row groups, 2 KB) per step; V's 64-column
+    // blocks are BN * 128 bytes apart.
+    auto issue_pv = [&](int sv) {
+      const uint32_t v = s_v + sv * KV_BYTES;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int qpos = kr.qp_first + cw * 64 + warp * 16 + g + h * 8;
-      float mx = -INFINITY;
-      if (full) {
+      for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_nmajor<T, D>(o, pa[kk], smem_desc(v + kk * 2048, BN * 128), 1);
+    };
+
+    for (int it = 0; it < kr.n_tiles; ++it) {
+      const int n0 = kr.first_n0 + it * BN, s = (g + it) % ST, prev = (g + it + ST - 1) % ST;
+      mbar_wait(full_k + 8 * s, ((g + it) / ST) & 1);
+      if (it > 0) mbar_wait(full_v + 8 * prev, ((g + it - 1) / ST) & 1);
+      fence_proxy_async();
+      if (it > 0 || cw == 1) take_turn();
+      // This tile's S = Q K^T over this warpgroup's 64 rows, and the previous tile's P V.
+      float s_acc[BN / 2];
+      wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s_acc[4 * j + 2 * h], s_acc[4 * j + 2 * h + 1]));
-      } else {
-        const int hi = qpos - (n0 + 2 * t4);
-        const int lo = p.window > 0 ? hi - p.window : -(1 << 30);
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t cb = (kk >> 2), off = (kk & 3) * 32;
+        wgmma<T, BN>(s_acc, smem_desc(q_buf + cb * BM * 128 + cw * 64 * 128 + off),
+                     smem_desc(s_k + s * KV_BYTES + cb * BN * 128 + off), kk > 0 ? 1 : 0);
+      }
+      if (it > 0) issue_pv(prev);
+      wgmma_commit();
+      pass_turn();
+      wgmma_wait<0>();
+      if (wt == 0) {
+        mbar_arrive(empty_k + 8 * s);
+        if (it > 0) mbar_arrive(empty_v + 8 * prev);
+        if (it == kr.n_tiles - 1) mbar_arrive(empty_q + 8 * b);  // the item's last use of its Q rows
+      }
+
+      if (capped) {
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
+        for (int i = 0; i < BN / 2; ++i) s_acc[i] = tanhf(s_acc[i] * pre) * post;
+      }
+      // Online softmax. Thread holds rows g4 and g4 + 8 (h = 0, 1) of its warp's 16, columns 8 jj + 2 t4 +
+      // {0, 1} in s_acc[4 jj + 2 h + {0, 1}]; a row's 4 threads are lanes 4 g4 .. 4 g4 + 3. Whole tile
+      // visible to every row of the CTA: no mask. Else key n0 + 8 jj + 2 t4 + e is visible to position
+      // qpos iff lo < it <= qpos: one compare per bound against the column offset 8 jj + e. Keys past the
+      // context need no test: they are zero-filled (finite scores), and the rows that could see them
+      // (qpos >= ctx) are past the sequence's queries, never written.
+      const bool full = n0 + BN - 1 <= kr.qp_first && (p.window <= 0 || n0 > kr.qp_last - p.window);
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = 8 * j + e;
-            const float x = (c <= hi && c > lo) ? s_acc[4 * j + 2 * h + e] : -INFINITY;
-            s_acc[4 * j + 2 * h + e] = x;
-            mx = fmaxf(mx, x);
+      for (int h = 0; h < 2; ++h) {
+        const int qpos = kr.qp_first + cw * 64 + warp * 16 + g4 + h * 8;
+        float mx = -INFINITY;
+        if (full) {
+#pragma unroll
+          for (int jj = 0; jj < BN / 8; ++jj) mx = fmaxf(mx, fmaxf(s_acc[4 * jj + 2 * h], s_acc[4 * jj + 2 * h + 1]));
+        } else {
+          const int hi = qpos - (n0 + 2 * t4);
+          const int lo = p.window > 0 ? hi - p.window : -(1 << 30);
+#pragma unroll
+          for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int c = 8 * jj + e;
+              const float x = (c <= hi && c > lo) ? s_acc[4 * jj + 2 * h + e] : -INFINITY;
+              s_acc[4 * jj + 2 * h + e] = x;
+              mx = fmaxf(mx, x);
+            }
           }
         }
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(row_max[h], mx);
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet: keep zeros
-      const float corr = fast_exp2((row_max[h] - m_use) * mul);
-      row_max[h] = m_new;
-      const float neg_m = -m_use * mul;
-      float sum = 0.0f;
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[h], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;  // nothing visible yet: keep zeros
+        const float corr = fast_exp2((row_max[h] - m_use) * mul);
+        row_max[h] = m_new;
+        const float neg_m = -m_use * mul;
+        float sum = 0.0f;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
+        for (int jj = 0; jj < BN / 8; ++jj) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pv = fast_exp2(fmaf(s_acc[4 * j + 2 * h + e], mul, neg_m));
-          s_acc[4 * j + 2 * h + e] = pv;
-          sum += pv;
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(fmaf(s_acc[4 * jj + 2 * h + e], mul, neg_m));
+            s_acc[4 * jj + 2 * h + e] = pv;
+            sum += pv;
+          }
+        }
+        row_sum[h] = row_sum[h] * corr + sum;  // this thread's share of the row
+#pragma unroll
+        for (int jj = 0; jj < D / 8; ++jj) {  // O holds every tile's P V so far (the wait above)
+          o[4 * jj + 2 * h] *= corr;
+          o[4 * jj + 2 * h + 1] *= corr;
         }
       }
-      row_sum[h] = row_sum[h] * corr + sum;  // this thread's share of the row
+      // P as the A fragments of P V: keys 16 kk .. 16 kk + 15 are accumulator blocks 2 kk and 2 kk + 1.
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {  // O holds every tile's P V so far (the wait above)
-        o[4 * j + 2 * h] *= corr;
-        o[4 * j + 2 * h + 1] *= corr;
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[kk][0] = pack2<T>(s_acc[8 * kk], s_acc[8 * kk + 1]);
+        pa[kk][1] = pack2<T>(s_acc[8 * kk + 2], s_acc[8 * kk + 3]);
+        pa[kk][2] = pack2<T>(s_acc[8 * kk + 4], s_acc[8 * kk + 5]);
+        pa[kk][3] = pack2<T>(s_acc[8 * kk + 6], s_acc[8 * kk + 7]);
       }
     }
-    // P as the A fragments of P V: keys 16 kk .. 16 kk + 15 are accumulator blocks 2 kk and 2 kk + 1.
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = pack2<T>(s_acc[8 * kk], s_acc[8 * kk + 1]);
-      pa[kk][1] = pack2<T>(s_acc[8 * kk + 2], s_acc[8 * kk + 3]);
-      pa[kk][2] = pack2<T>(s_acc[8 * kk + 4], s_acc[8 * kk + 5]);
-      pa[kk][3] = pack2<T>(s_acc[8 * kk + 6], s_acc[8 * kk + 7]);
+    if (kr.n_tiles > 0) {  // the last tile's P V
+      const int last = (g + kr.n_tiles - 1) % ST;
+      mbar_wait(full_v + 8 * last, ((g + kr.n_tiles - 1) / ST) & 1);
+      fence_proxy_async();
+      take_turn();
+      wgmma_fence();
+      issue_pv(last);
+      wgmma_commit();
+      if (cw == 0) pass_turn();
+      wgmma_wait<0>();
+      if (wt == 0) mbar_arrive(empty_v + 8 * last);
     }
-  }
-  if (kr.n_tiles > 0) {  // the last tile's P V
-    const int last = (kr.n_tiles - 1) % ST;
-    mbar_wait(full_v + 8 * last, ((kr.n_tiles - 1) / ST) & 1);
-    fence_proxy_async();
-    take_turn();
-    wgmma_fence();
-    issue_pv(last);
-    wgmma_commit();
-    if (cw == 0) pass_turn();
-    wgmma_wait<0>();
-  }
+    g += kr.n_tiles;
 
-  T* out = static_cast<T*>(p.out);
+    T* out = static_cast<T*>(p.out);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float l = row_sum[h];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    const int qrow = t.m0 + cw * 64 + warp * 16 + g + h * 8;
-    if (qrow < t.q_len) {
-      T* dst = out + (int64_t)(t.q_begin + qrow) * p.o_tok + (int64_t)head * p.o_head + 2 * t4;
+    for (int h = 0; h < 2; ++h) {
+      float l = row_sum[h];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      const int qrow = t.m0 + cw * 64 + warp * 16 + g4 + h * 8;
+      if (qrow < t.q_len) {
+        T* dst = out + (int64_t)(t.q_begin + qrow) * p.o_tok + (int64_t)t.head * p.o_head + 2 * t4;
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        *reinterpret_cast<uint32_t*>(dst + j * 8) = pack2<T>(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        for (int jj = 0; jj < D / 8; ++jj) {
+          *reinterpret_cast<uint32_t*>(dst + jj * 8) = pack2<T>(o[4 * jj + 2 * h] * inv, o[4 * jj + 2 * h + 1] * inv);
+        }
       }
     }
   }

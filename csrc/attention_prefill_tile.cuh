@@ -36,10 +36,12 @@ struct Tile {
 // Which sequence, rows [m0, m0 + bm) and query head this CTA computes. The grid is 1-D,
 // num_tiles * num_heads CTAs: consecutive CTAs take all heads of one tile (the KV heads of a
 // GQA group stay hot in L2), and tiles go last to first so the causally heaviest start first.
-__device__ __forceinline__ bool locate_tile(const Params& p, int bm, Tile& t) {
+// `item` in [0, num_tiles * num_heads) is the CTA index of a one-tile-per-CTA grid (locate_tile) or a
+// persistent CTA's work item.
+__device__ __forceinline__ bool locate_tile_at(const Params& p, int bm, unsigned item, Tile& t) {
   const int num_heads = p.group * p.num_kv_heads;
-  t.head = (int)(blockIdx.x % (unsigned)num_heads);
-  const int idx = p.num_tiles - 1 - (int)(blockIdx.x / (unsigned)num_heads);
+  t.head = (int)(item % (unsigned)num_heads);
+  const int idx = p.num_tiles - 1 - (int)(item / (unsigned)num_heads);
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {  // the last s with query_start_loc[s] / bm + s <= idx (strictly increasing in s)
     const int mid = (lo + hi + 1) >> 1;
@@ -54,6 +56,10 @@ __device__ __forceinline__ bool locate_tile(const Params& p, int bm, Tile& t) {
   // m0 < 0: a tile in front of the first sequence, whose query_start_loc need not be 0 (the
   // caller may hand over q rows of other sequences before it, e.g. the decode rows of a mixed step).
   return t.m0 >= 0 && t.m0 < t.q_len;
+}
+
+__device__ __forceinline__ bool locate_tile(const Params& p, int bm, Tile& t) {
+  return locate_tile_at(p, bm, blockIdx.x, t);
 }
 
 // Keys the rows [m0, m0 + rows) can see, as n_tiles tiles of bn keys from first_n0.
