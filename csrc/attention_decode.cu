@@ -4,8 +4,9 @@
 // a sequence are adjacent in blockIdx.x, so they run together and share DRAM pages. The CTA reads each
 // key and value row of its KV head once for all the query heads it serves (GQA). K and V rows stream
 // through shared memory in tiles of TT tokens with an S-stage cp.async pipeline (sm_80+; plain loads on
-// older GPUs): the K and V loads of a tile are issued together, S - 1 tiles ahead of the one being
-// computed, so a CTA pays about one memory latency however many tiles it reads. Block-table entries go
+// older GPUs; on sm_90+ the tensor-core kernel's rows come by bulk copies completing on one mbarrier per
+// stage): the K and V loads of a tile are issued together, S - 1 tiles ahead of the one being computed, so
+// a CTA pays about one memory latency however many tiles it reads. Block-table entries go
 // through shared memory in windows of one entry per thread, each loaded a whole window ahead, so no tile
 // issue waits on a table read. There is one __syncthreads per tile: each token group of lanes keeps its own online
 // softmax (max, sum) and fp32 accumulator, and groups and warps are combined once at the end.
