@@ -247,6 +247,18 @@ def test_prefill_cuda_window_softcap(dtype: torch.dtype, head_size: int, window:
     check_cuda(case, head_size**-0.5, window, softcap, label=f"{dtype} D={head_size} window={window} cap={softcap}")
 
 
+@pytest.mark.usefixtures("prefill_kernel")
+@pytest.mark.cuda
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (64, 0.0), (100, 30.0)])
+def test_prefill_cuda_many_items_per_cta(window: int, softcap: float) -> None:
+    """Several times more (query tile, head) items than a GPU has SMs (45 tiles x 32 heads): the Hopper
+    kernel's persistent CTAs each take many, across sequences of every length, both Q buffers and a K/V ring
+    that runs on from item to item -- with windows that start items past key 0 and a soft-cap."""
+    case = make_case(MIXED_Q * 3, MIXED_PREFIX * 3, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=16, poison=True)
+    case.q.mul_(4.0 if softcap else 1.0)
+    check_cuda(case, 128**-0.5, window, softcap, label=f"many items window={window} cap={softcap}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 def test_prefill_cuda_float32(head_size: int) -> None:
