@@ -11,7 +11,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "csrc" / "wgmma_sm90.cuh"
 TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
-WIDTHS = (64, 128, 256)  # both operands in shared memory
+WIDTHS = (128, 256)  # both operands in shared memory: the prefill attention's Q.K^T, the GEMM
 RS_WIDTHS = (64, 128)  # A in registers, B N-major (transposed) in shared memory
 
 

@@ -37,6 +37,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "hopper.cuh"
 
 namespace WLLM_NS {
 namespace decode {
@@ -270,46 +271,6 @@ constexpr bool kBulkRows = true;
 constexpr bool kBulkRows = false;
 #endif
 
-__device__ __forceinline__ void bar_init(uint64_t* bar, unsigned count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void bar_arrive(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-#endif
-}
-
-// Waits for the completion of the barrier's phase of parity `parity`.
-__device__ __forceinline__ void bar_wait(uint64_t* bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  unsigned done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-#endif
-}
-
-// Arrives on the barrier expecting `bytes` more, then copies them from global to shared memory, counted
-// on the same barrier.
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const unsigned b = smem_addr(bar);
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(b)
-               : "memory");
-#endif
-}
-
 // issue_tile for kBulkRows: thread t copies row t % TT of K (t < TT) or V as one bulk copy and arrives on
 // the stage's barrier (which counts THREADS arrivals); a row left out or past `end` only arrives (rows past
 // `end` zero-filled first with ZERO_TAIL).
@@ -324,14 +285,16 @@ __device__ __forceinline__ void issue_tile_bulk(unsigned char* stage, uint64_t* 
   if (pos < end && pos != skip_pos) {
     const int id = window_id<TL::THREADS>(ids, (pos >> p.block_shift) - tb0);
     const int64_t off = (int64_t)id * p.block_stride + (int64_t)(pos & block_mask) * p.token_stride;
-    bulk_copy(dst, (is_v ? v_cache : k_cache) + off, TL::CPR * 16, bar);
+    const T* src = (is_v ? v_cache : k_cache) + off;
+    hopper::mbar_expect_tx(smem_addr(bar), TL::CPR * 16);
+    hopper::bulk_load(smem_addr(dst), src, TL::CPR * 16, smem_addr(bar));
     return;
   }
   if (ZERO_TAIL && pos >= end) {
 #pragma unroll
     for (int c = 0; c < TL::CPR; ++c) reinterpret_cast<uint4*>(dst)[c] = make_uint4(0u, 0u, 0u, 0u);
   }
-  bar_arrive(bar);
+  hopper::mbar_arrive(smem_addr(bar));
 }
 
 // What one CTA covers: blockIdx.x = sequence * (KV heads x chunks) + KV-head chunk, so the CTAs of one
@@ -401,7 +364,10 @@ struct Pipeline {
                                         int (*s_ids)[TL::THREADS], uint64_t* stage_bars = nullptr) {
     bars = stage_bars;
     if (BULK && threadIdx.x == 0) {
-      for (int s = 0; s < TL::S; ++s) bar_init(bars + s, TL::THREADS);  // published by the __syncthreads below
+      for (int s = 0; s < TL::S; ++s) {  // published by the __syncthreads below
+        hopper::mbar_init(smem_addr(bars + s), TL::THREADS);
+        hopper::fence_mbar_init();
+      }
     }
     k_cache = static_cast<const T*>(p.k_cache) + (int64_t)w.kv_head * p.head_stride;
     v_cache = static_cast<const T*>(p.v_cache) + (int64_t)w.kv_head * p.head_stride;
@@ -457,7 +423,8 @@ struct Pipeline {
   // are also done with tile j - 1), then issues tile j + S - 1 into the stage tile j - 1 used.
   __device__ __forceinline__ void advance(int j, const Params& p, unsigned char* smem, int (*s_ids)[TL::THREADS]) {
     if constexpr (BULK) {
-      bar_wait(bars + j % TL::S, (unsigned)(j / TL::S) & 1u);
+      const unsigned parity = (unsigned)(j / TL::S) & 1u;
+      hopper::mbar_wait(smem_addr(bars + j % TL::S), parity);
     } else {
       cp_async_wait<TL::S - 2>();
     }

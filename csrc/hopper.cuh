@@ -1,6 +1,7 @@
-// Hopper (sm_90a) primitives shared by the SM 9.0 kernels: mbarriers, the async-proxy fence, wgmma
-// group control and shared-memory matrix descriptors. Only defined for device code compiled with the
-// sm_90a feature set (__CUDA_ARCH_FEAT_SM90_ALL); callers guard their use the same way.
+// Hopper primitives shared by the SM 9.0+ kernels: mbarriers and bulk copies (every sm_90+ GPU; the
+// decode-attention pipeline uses them there), TMA tensor loads, the async-proxy fence, wgmma group control
+// and shared-memory matrix descriptors (defined only for device code compiled with the sm_90a feature set,
+// __CUDA_ARCH_FEAT_SM90_ALL; callers guard their use the same way).
 #pragma once
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -11,21 +12,67 @@
 namespace WLLM_NS {
 namespace hopper {
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// mbarriers and bulk copies exist on every sm_90+ GPU (the wgmma helpers further down need sm_90a). These
+// are declared in every compilation, so templates that also build for older GPUs may name them in code
+// paths those GPUs never take; there the bodies are empty.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define WLLM_HOPPER_ASYNC 1
+#endif
+
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#ifdef WLLM_HOPPER_ASYNC
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
 }
 
 // Makes the barrier inits visible to the other threads of the cluster (and to the async proxy).
 __device__ __forceinline__ void fence_mbar_init() {
+#ifdef WLLM_HOPPER_ASYNC
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
 }
 
 // Arrives and adds `bytes` to the transaction count the current phase waits for (TMA loads complete them).
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+#ifdef WLLM_HOPPER_ASYNC
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
 }
 
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#ifdef WLLM_HOPPER_ASYNC
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+
+// Waits until the barrier's phase of parity `parity` has completed (a fresh barrier is in phase 0, so
+// waiting for parity 1 returns at once).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#ifdef WLLM_HOPPER_ASYNC
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+#endif
+}
+
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory at `dst`
+// with the bulk-copy engine, counted on the barrier at `bar` (whose expected transaction count the caller
+// raised by as much, mbar_expect_tx).
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#ifdef WLLM_HOPPER_ASYNC
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+#endif
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // TMA load of one box of a 3-D tensor map at coordinates (c0, c1, c2) into shared memory at `dst`, counted
 // on the barrier at `bar`.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
@@ -37,27 +84,10 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
 // Arrives on the barrier once all cp.async copies this thread issued so far have landed (the barrier's
 // count includes this arrival).
 __device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-// Waits until the barrier's phase of parity `parity` has completed (a fresh barrier is in phase 0, so
-// waiting for parity 1 returns at once).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
 }
 
 // Orders this thread's generic-proxy view of shared memory (st.shared, cp.async) with the async proxy
