@@ -68,6 +68,11 @@ def _row_range(text: str) -> tuple[int, int]:
 # activation for free (GatedMLP). WLLM_SM90_GEMM_ROWS="lo,hi" sets the range ("0,0": never).
 SM90_GEMM_ROWS = _row_range(os.environ.get("WLLM_SM90_GEMM_ROWS", "0,0"))
 
+# Projections whose output is added to the residual stream (o, down) add it inside cuBLAS's epilogue
+# (residual += x W^T, beta = 1) when they run on cuBLAS, so the RMSNorm after them reads one tensor and
+# writes one instead of the fused add-and-norm's two and two. WLLM_GEMM_RESIDUAL=0 turns it off (A/B runs).
+GEMM_RESIDUAL = os.environ.get("WLLM_GEMM_RESIDUAL", "1") != "0"
+
 
 @functools.cache
 def _tensor_cores(index: int) -> bool:
@@ -159,6 +164,19 @@ class Linear(nn.Module):
         if self.use_sm90(x):
             return gemm_sm90(x, self.weight)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """residual += x W^T in one cuBLAS call (added in its epilogue, rounded once) when this layer
+        would run on cuBLAS anyway: CUDA, no bias, 2-D x and residual of matching shapes and dtype. False,
+        with nothing done, otherwise (the caller then adds the usual way)."""
+        if not (GEMM_RESIDUAL and x.is_cuda and self.bias is None and x.dim() == 2 and residual.dim() == 2
+                and residual.shape == (x.shape[0], self.out_features) and residual.dtype == x.dtype
+                and self.weight.dtype == x.dtype):
+            return False
+        if self.use_gemv(x) or self.use_sm90(x):
+            return False
+        residual.addmm_(x, self.weight.t())
+        return True
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

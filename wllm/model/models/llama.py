@@ -49,7 +49,15 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.norm_eps) if qk_norm else None
         self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        ctx: AttentionContext,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The attention output after o_proj; None when it went straight into `residual` (given, and
+        o_proj on cuBLAS: see Linear.forward_add)."""
         n = hidden.shape[0]
         fused = getattr(ctx, "qkv_rotary_attend", None)
         if fused is not None and self.q_norm is None:
@@ -57,7 +65,7 @@ class DecoderAttention(nn.Module):
             out = fused(self.layer_idx, hidden, self.qkv_proj, positions, self.rotary, self.num_heads,
                         scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.softcap)
             if out is not None:
-                return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+                return self._project(out.reshape(n, self.num_heads * self.head_dim), residual)
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -80,7 +88,12 @@ class DecoderAttention(nn.Module):
             sliding_window=self.sliding_window,
             logit_softcap=self.softcap,
         )
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self._project(out.reshape(n, self.num_heads * self.head_dim), residual)
+
+    def _project(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+        if residual is not None and self.o_proj.forward_add(out, residual):
+            return None
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -106,18 +119,29 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
         residual: torch.Tensor | None,
         ctx: AttentionContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(output, residual stream); output None when the down projection has already added it into
+        the residual (the next layer's or the final norm then normalises the residual alone)."""
+        hidden, residual = _norm_add(self.input_layernorm, hidden, residual)
+        attn = self.self_attn(positions, hidden, ctx, residual)
+        hidden, residual = _norm_add(self.post_attention_layernorm, attn, residual)
+        return self.mlp(hidden, residual), residual
+
+
+def _norm_add(
+    norm: RMSNorm, x: torch.Tensor | None, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(residual + x), residual + x), the add in place; x None: already added; residual None: the
+    first layer (x is the stream)."""
+    if residual is None:
+        assert x is not None
+        return norm(x), x
+    if x is None:
+        return norm(residual), residual
+    return norm(x, residual)
 
 
 class DecoderModel(nn.Module):
@@ -149,7 +173,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, ctx)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = _norm_add(self.norm, hidden, residual)
         return hidden
 
 
