@@ -6,16 +6,20 @@
 //  - warpgroup 0 produces: for each item, its Q rows into one of two Q buffers (cp.async, zero-filled past
 //    the sequence) together with the item's description, then its K and V tiles into a 2-stage ring that
 //    runs on across items, in the 128-byte-swizzled layout wgmma reads (rows of 64 head dims, 16-byte chunk
-//    c of row r at c ^ (r % 8)); a tile inside the context by TMA, one box per cache block, the last tile
-//    by its 128 threads' cp.async gathers, zero-filled past the context; full/empty mbarriers hand Q
-//    buffers and stages over. So the next item's Q and first tiles load while the consumers finish the
-//    current one and write its output: short prompts pay no per-item start-up latency;
+//    c of row r at c ^ (r % 8)); a tile inside the context by TMA, one box per cache block, each issued by
+//    its own lane (the block-table reads overlap), the last tile by its 128 threads' cp.async gathers,
+//    zero-filled past the context; full/empty mbarriers hand Q buffers and stages over. So the next item's
+//    Q and first tiles load while the consumers finish the current one and write its output: short
+//    prompts pay no per-item start-up latency;
 //  - warpgroups 1 and 2 consume, 64 query rows each: S = Q K^T with both operands in shared memory
 //    (K-major), the online softmax on the fp32 accumulators in registers, O += P V with P straight from
 //    registers (an accumulator quad of 16 keys is the m64k16 A fragment) and V read N-major (head dims
 //    contiguous) from the same layout as K;
 //  - the two consumers take turns on the tensor cores (named barriers): one issues its MMAs -- this tile's
-//    Q K^T together with the previous tile's P V -- while the other runs its softmax.
+//    Q K^T together with the previous tile's P V -- while the other runs its softmax;
+//  - each consumer writes its 64 output rows through its half of the item's Q buffer (no longer read by
+//    then), so the global stores are whole 16-byte chunks of each row; the buffer goes back to the
+//    producer after that.
 // Compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); the launcher uses it on SM 9.0 for fp16/bf16 and
 // head sizes 64 and 128, the mma.sync kernel elsewhere.
 #pragma once
@@ -151,19 +155,23 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
           cp_async_16(smem + (dst - base) + dst0 + i * RPP * 128, src, ok ? 16 : 0);
         }
       };
-      // A tile wholly inside the context (and blocks of 8+ rows, whole swizzle atoms) comes by TMA: one
-      // thread issues a box per cache block and 64-column block, the others only arrive. The last, partial
-      // tile takes the copies above for their zero fill. Either way the barrier counts 128 arrivals.
+      // A tile wholly inside the context (and blocks of 8+ rows, whole swizzle atoms) comes by TMA: lane i of
+      // the first warp reads the block id of box i (min(block size, BN) rows) and issues that box for every
+      // 64-column block, so the tile's block-table reads overlap instead of following one another; the
+      // other threads only arrive. The last, partial tile takes the copies above for their zero fill.
+      // Either way the barrier counts 128 arrivals, thread 0's raising the expected bytes first.
       auto tma_tile = [&](uint32_t dst, const CUtensorMap* map, uint32_t bar, int n0) {
-        if (wt == 0) {
-          mbar_expect_tx(bar, KV_BYTES);
-          for (int rr = 0; rr < BN; rr += box_rows) {
-            const int key = n0 + rr, blk = table[key >> p.block_shift];
+        if (wt < 32) {
+          if (wt == 0) mbar_expect_tx(bar, KV_BYTES);
+          __syncwarp();
+          if (wt * box_rows < BN) {
+            const int rr = wt * box_rows, key = n0 + rr, blk = table[key >> p.block_shift];
 #pragma unroll
             for (int cb = 0; cb < D / 64; ++cb) {
               tma_load_3d(dst + cb * BN * 128 + rr * 128, map, kv_col + cb * 64, key & block_mask, blk, bar);
             }
           }
+          if (wt != 0) mbar_arrive(bar);
         } else {
           mbar_arrive(bar);
         }
@@ -225,7 +233,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     fence_proxy_async();  // Q came by cp.async (generic proxy); wgmma reads it through the async proxy
     const KeyRange kr = key_range(t, BM, p.window, BN);
     const uint32_t q_buf = s_q + b * Q_BYTES;
-    if (kr.n_tiles == 0 && wt == 0) mbar_arrive(empty_q + 8 * b);
 
     float o[D / 2];
 #pragma unroll
@@ -263,7 +270,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       if (wt == 0) {
         mbar_arrive(empty_k + 8 * s);
         if (it > 0) mbar_arrive(empty_v + 8 * prev);
-        if (it == kr.n_tiles - 1) mbar_arrive(empty_q + 8 * b);  // the item's last use of its Q rows
       }
 
       if (capped) {
@@ -345,22 +351,37 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     }
     g += kr.n_tiles;
 
-    T* out = static_cast<T*>(p.out);
+    // The output through this warpgroup's Q rows (no longer needed): each thread's fragments into the
+    // swizzled rows (conflict-free), then whole 16-byte chunks to global memory, 16 threads per 256-byte row
+    // (the fragments' own 4-byte stores left a third of the sectors written twice). The producer refills
+    // the buffer only after both consumers have released it below.
+    const uint32_t q_rows = q_buf - base + cw * 64 * 128;  // this warpgroup's rows in every column block
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float l = row_sum[h];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      const int qrow = t.m0 + cw * 64 + warp * 16 + g4 + h * 8;
-      if (qrow < t.q_len) {
-        T* dst = out + (int64_t)(t.q_begin + qrow) * p.o_tok + (int64_t)t.head * p.o_head + 2 * t4;
+      const int row = warp * 16 + g4 + h * 8;  // within this warpgroup's 64
 #pragma unroll
-        for (int jj = 0; jj < D / 8; ++jj) {
-          *reinterpret_cast<uint32_t*>(dst + jj * 8) = pack2<T>(o[4 * jj + 2 * h] * inv, o[4 * jj + 2 * h + 1] * inv);
-        }
+      for (int jj = 0; jj < D / 8; ++jj) {
+        *reinterpret_cast<uint32_t*>(smem + q_rows + swizzled<D>(BM, row, jj) + 4 * t4) =
+            pack2<T>(o[4 * jj + 2 * h] * inv, o[4 * jj + 2 * h + 1] * inv);
       }
     }
+    named_sync(1 + cw, 128);
+    T* out = static_cast<T*>(p.out);
+    constexpr int OPP = 128 / CH;  // rows per pass of the warpgroup
+#pragma unroll
+    for (int row = wt / CH; row < 64; row += OPP) {
+      const int qrow = t.m0 + cw * 64 + row, ch = wt % CH;
+      if (qrow < t.q_len) {
+        const uint4 v = *reinterpret_cast<const uint4*>(smem + q_rows + swizzled<D>(BM, row, ch));
+        *reinterpret_cast<uint4*>(out + (int64_t)(t.q_begin + qrow) * p.o_tok + (int64_t)t.head * p.o_head + ch * 8) = v;
+      }
+    }
+    named_sync(1 + cw, 128);
+    if (wt == 0) mbar_arrive(empty_q + 8 * b);  // the item's last use of its Q buffer
   }
 #endif
 }
