@@ -277,7 +277,7 @@ def test_rotary_and_cache_cuda(dtype, neox, shape, block_size) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 200])
+@pytest.mark.parametrize("tokens", [1, 3, 200, 1027, 2051])  # 1,024+: several tokens per block, a partial last
 def test_rotary_and_cache_cuda_token_counts_and_contiguous_inputs(dtype, tokens) -> None:
     _check_against_reference_and_unfused(dtype, True, (128, 128, 32, 8), 16, tokens, seed=8, strided=False)
     _check_against_reference_and_unfused(dtype, False, (64, 64, 14, 2), 16, tokens, seed=9)
