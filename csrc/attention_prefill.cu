@@ -352,13 +352,10 @@ static int launch_sm90(const Params& p, int64_t num_tokens, int num_heads, cudaS
   if (int rc = count_tiles(pt, kSm90BM, num_tokens, num_heads)) return rc;
   DeviceProps dev;
   if (int rc = current_device_props(&dev)) return rc;
-  // Persistent: one CTA per SM (its shared memory allows no second), each taking several work items from
-  // this launch's counter slot (see kSm90SchedSlots).
-  static std::atomic<unsigned> launches{0};
-  const int slot = (int)(launches.fetch_add(1u, std::memory_order_relaxed) % (unsigned)kSm90SchedSlots);
+  // Persistent: one CTA per SM (its shared memory allows no second), each taking several work items.
   const int64_t items = (int64_t)pt.num_tiles * num_heads;
   const unsigned grid = (unsigned)(items < dev.sms ? items : dev.sms);
-  kernel<<<grid, kSm90Threads, smem, stream>>>(map_k, map_v, pt, slot);
+  kernel<<<grid, kSm90Threads, smem, stream>>>(map_k, map_v, pt);
   return check_launch("paged_prefill_attention (sm90)");
 }
 

@@ -1,9 +1,8 @@
 // Hopper (SM 9.0) paged prefill attention: the online-softmax algorithm of flash_prefill_kernel on
 // warpgroup MMAs (wgmma), warp-specialised and persistent.
 //
-// The grid has at most one CTA per SM; each CTA works through work items (128 query rows of one head),
-// taking the next one from a global counter as it goes (heaviest first, so the CTAs finish together: a
-// fixed round-robin left SMs idle ~18% of a 16 x 512 call), with three warpgroups:
+// The grid has at most one CTA per SM; each CTA works through a list of work items (128 query rows of one
+// head) with three warpgroups:
 //  - warpgroup 0 produces: for each item, its Q rows into one of two Q buffers (cp.async, zero-filled past
 //    the sequence) together with the item's description, then its K and V tiles into a 2-stage ring that
 //    runs on across items, in the 128-byte-swizzled layout wgmma reads (rows of 64 head dims, 16-byte chunk
@@ -39,10 +38,6 @@ constexpr int kSm90Threads = 384;  // a producer and two consumer warpgroups
 constexpr int kSm90BM = 128;       // query rows per CTA (64 per consumer)
 constexpr int kSm90BN = 128;       // keys per K/V tile
 constexpr int kSm90Stages = 2;
-// Work counters of concurrent launches: each launch takes slot n % kSm90SchedSlots of the n-th launch (host
-// side), so launches on different streams do not share one; its last CTA leaves the slot zeroed again.
-constexpr int kSm90SchedSlots = 256;
-__device__ unsigned g_sm90_sched[kSm90SchedSlots][2];  // [slot]: {next item, CTAs done}; zero between launches
 
 template <int D>
 constexpr size_t sm90_smem_bytes() {
@@ -76,12 +71,12 @@ __device__ __forceinline__ uint32_t swizzled(int rows, int r, int c) {
 
 // map_k / map_v: TMA descriptors of the caches as [blocks][block rows][KV-head columns] with boxes of
 // min(block size, BN) rows x 64 columns (sm90_cache_maps). Persistent: a grid of at most one CTA per SM,
-// whose producers take work items in the heaviest-first order from g_sm90_sched[sched_slot][0] (zero at
-// launch), one item ahead; [1] counts the CTAs done, and the last one zeroes both.
+// CTA c taking work items c, 2G - 1 - c, 2G + c, ... (G CTAs; a snake over the heaviest-first item order,
+// so every CTA gets a similar mix of long and short causal tiles).
 template <typename T, int D>
 __global__ void __launch_bounds__(kSm90Threads, 1)
     sm90_prefill_kernel(const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v,
-                        const Params p, int sched_slot) {
+                        const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace hopper;
   constexpr int BM = kSm90BM, BN = kSm90BN, ST = kSm90Stages, CH = D / 8;
@@ -123,24 +118,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
     const int block_mask = (1 << p.block_shift) - 1;
     const int box_rows = min(1 << p.block_shift, BN);
     const bool tma = (1 << p.block_shift) >= 8;
-    const unsigned total = (unsigned)p.num_tiles * (unsigned)(p.group * p.num_kv_heads);
-    // Thread 0 takes the items and hands each to the warpgroup through s_item (two slots, one barrier per
-    // round: a slot is rewritten only after every thread has passed the barrier following its last read).
-    // It asks for the next item while the current one is produced, so the atomic's round trip is hidden.
-    __shared__ unsigned s_item[2];
-    unsigned* const sched = g_sm90_sched[sched_slot];
-    unsigned next = wt == 0 ? atomicAdd(sched, 1u) : 0u;
+    const int total = p.num_tiles * p.group * p.num_kv_heads, grid = (int)gridDim.x;
     int g = 0, j = 0;  // K/V tiles and items this CTA has produced
-    for (int r = 0;; ++r) {
-      if (wt == 0) {
-        s_item[r & 1] = next;
-        if (next < total) next = atomicAdd(sched, 1u);
-      }
-      named_sync(5, 128);
-      const unsigned item = s_item[r & 1];
-      if (item >= total) break;
+    for (int r = 0; r * grid < total; ++r) {
+      const int item = r * grid + ((r & 1) ? grid - 1 - (int)blockIdx.x : (int)blockIdx.x);
       Tile t;
-      if (!locate_tile_at(p, BM, item, t)) continue;
+      if (item >= total || !locate_tile_at(p, BM, (unsigned)item, t)) continue;
       const KeyRange kr = key_range(t, BM, p.window, BN);
       const int32_t* table = p.block_tables + (int64_t)t.seq * p.bt_stride;
       const int kv_col = (t.head / p.group) * (int)p.kv_head;
@@ -219,13 +202,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       if (wt == 0) {
         s_tile[b].seq = -1;
         mbar_arrive(full_q + 8 * b);
-      }
-    }
-    if (wt == 0) {  // this CTA takes no more items: the last one to get here zeroes the counters
-      __threadfence();
-      if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
-        atomicExch(sched, 0u);
-        atomicExch(sched + 1, 0u);
       }
     }
     cp_async_commit();  // leave no copy of this thread in flight behind it
