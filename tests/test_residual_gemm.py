@@ -1,4 +1,4 @@
-"""The residual add inside cuBLAS's epilogue (Linear.forward_add): o_proj and down_proj add their output
+"""The residual add inside cuBLAS's epilogue (Linear.forward with a residual): o_proj and down_proj add their output
 into the residual stream in the GEMM (beta = 1) so that the RMSNorm after them reads one tensor, not two.
 Where the layer would not run on cuBLAS (CPU, bias, skinny-GEMM batches) nothing changes."""
 
@@ -24,11 +24,16 @@ def _linear(k: int, n: int, dtype: torch.dtype, device: str, bias: bool = False)
     return layer
 
 
+def _adds(layer: Linear, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """The layer added x W^T into residual (returned None) rather than returning the product."""
+    return layer(x, residual) is None
+
+
 def test_forward_add_declines_on_cpu() -> None:
     layer = _linear(24, 40, torch.float32, "cpu")
     x, residual = torch.randn(5, 24), torch.randn(5, 40)
     before = residual.clone()
-    assert not layer.forward_add(x, residual)
+    assert not _adds(layer, x, residual)
     assert torch.equal(residual, before)
 
 
@@ -42,7 +47,7 @@ def test_forward_add_matches_linear_plus_add(dtype, rows, k, n) -> None:
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
     residual = torch.randn(rows, n, device="cuda", dtype=dtype)
     expect = (residual.float() + x.float() @ layer.weight.float().t()).to(dtype)
-    assert layer.forward_add(x, residual)
+    assert _adds(layer, x, residual)
     tol = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
     torch.testing.assert_close(residual, expect, rtol=tol, atol=tol)
 
@@ -52,12 +57,12 @@ def test_forward_add_declines_where_cublas_does_not_run(monkeypatch) -> None:
     x = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn(40, 32, device="cuda", dtype=torch.bfloat16)
     before = residual.clone()
-    assert not _linear(64, 32, torch.bfloat16, "cuda", bias=True).forward_add(x, residual)  # bias
-    assert not _linear(64, 48, torch.bfloat16, "cuda").forward_add(x, residual)  # shape mismatch
-    assert not _linear(64, 32, torch.bfloat16, "cuda").forward_add(x[:1], residual[:1])  # skinny GEMM
-    assert not _linear(64, 32, torch.bfloat16, "cuda").forward_add(x, residual.float())  # dtype
+    assert not _adds(_linear(64, 32, torch.bfloat16, "cuda", bias=True), x, residual)  # bias
+    assert not _adds(_linear(64, 48, torch.bfloat16, "cuda"), x, residual)  # shape mismatch
+    assert not _adds(_linear(64, 32, torch.bfloat16, "cuda"), x[:1], residual[:1])  # skinny GEMM
+    assert not _adds(_linear(64, 32, torch.bfloat16, "cuda"), x, residual.float())  # dtype
     monkeypatch.setattr(linear_module, "GEMM_RESIDUAL", False)
-    assert not _linear(64, 32, torch.bfloat16, "cuda").forward_add(x, residual)  # switched off
+    assert not _adds(_linear(64, 32, torch.bfloat16, "cuda"), x, residual)  # switched off
     assert torch.equal(residual, before)
 
 

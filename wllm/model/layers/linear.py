@@ -158,25 +158,25 @@ class Linear(nn.Module):
             return False
         return gemm_sm90_supported(x.device.index or 0) and gemm_sm90_fits(x, self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x W^T (+ b). Given `residual` (rows of out_features), a batch that runs on cuBLAS adds into it
+        instead, in the GEMM's epilogue (residual += x W^T, beta = 1, rounded once), and returns None; other
+        paths return the product as usual and leave the add to the caller."""
         if self.use_gemv(x):
             return gemv(x, self.weight, self.bias)
         if self.use_sm90(x):
             return gemm_sm90(x, self.weight)
+        if residual is not None and self._adds_into(x, residual):
+            residual.addmm_(x, self.weight.t())
+            return None
         return F.linear(x, self.weight, self.bias)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
-        """residual += x W^T in one cuBLAS call (added in its epilogue, rounded once) when this layer
-        would run on cuBLAS anyway: CUDA, no bias, 2-D x and residual of matching shapes and dtype. False,
-        with nothing done, otherwise (the caller then adds the usual way)."""
-        if not (GEMM_RESIDUAL and x.is_cuda and self.bias is None and x.dim() == 2 and residual.dim() == 2
+    def _adds_into(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        """The cuBLAS call can add into `residual`: switched on, CUDA, no bias, 2-D x and residual of matching
+        shapes and one dtype."""
+        return (GEMM_RESIDUAL and x.is_cuda and self.bias is None and x.dim() == 2 and residual.dim() == 2
                 and residual.shape == (x.shape[0], self.out_features) and residual.dtype == x.dtype
-                and self.weight.dtype == x.dtype):
-            return False
-        if self.use_gemv(x) or self.use_sm90(x):
-            return False
-        residual.addmm_(x, self.weight.t())
-        return True
+                and self.weight.dtype == x.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -72,7 +72,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """The MLP's output; None when it went straight into `residual` (given, and the down projection
-        on cuBLAS: see Linear.forward_add)."""
+        on cuBLAS: see Linear.forward)."""
         if self.fused_act is not None and x.is_cuda and kernels_available(x.device.index or 0):
             gate_up_proj = self.gate_up_proj
             if gate_up_proj.use_sm90(x):
@@ -90,9 +90,6 @@ class GatedMLP(nn.Module):
             few_rows = gate_up.numel() <= GEMV_MAX_FUSED_ROWS * gate_up.shape[-1]
             if few_rows and down.use_gemv(gate_up, 2 * down.in_features):
                 return gemv(gate_up, down.weight, down.bias, self.fused_act)
-            act = act_and_mul(gate_up, self.fused_act)
-            if residual is not None and down.forward_add(act, residual):
-                return None
-            return down(act)
+            return down(act_and_mul(gate_up, self.fused_act), residual)
         gate, up = self.gate_up_proj.split(gate_up)
         return self.down_proj(self.act(gate) * up)

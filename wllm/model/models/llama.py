@@ -57,7 +57,7 @@ class DecoderAttention(nn.Module):
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """The attention output after o_proj; None when it went straight into `residual` (given, and
-        o_proj on cuBLAS: see Linear.forward_add)."""
+        o_proj on cuBLAS: see Linear.forward)."""
         n = hidden.shape[0]
         fused = getattr(ctx, "qkv_rotary_attend", None)
         if fused is not None and self.q_norm is None:
@@ -65,7 +65,7 @@ class DecoderAttention(nn.Module):
             out = fused(self.layer_idx, hidden, self.qkv_proj, positions, self.rotary, self.num_heads,
                         scale=self.scale, sliding_window=self.sliding_window, logit_softcap=self.softcap)
             if out is not None:
-                return self._project(out.reshape(n, self.num_heads * self.head_dim), residual)
+                return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), residual)
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -88,12 +88,7 @@ class DecoderAttention(nn.Module):
             sliding_window=self.sliding_window,
             logit_softcap=self.softcap,
         )
-        return self._project(out.reshape(n, self.num_heads * self.head_dim), residual)
-
-    def _project(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
-        if residual is not None and self.o_proj.forward_add(out, residual):
-            return None
-        return self.o_proj(out)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
