@@ -107,46 +107,51 @@ __device__ __forceinline__ void rotate(T* dst, const T* src, int j, int half, co
   store<T, VEC>(dst + off1, ob);
 }
 
-// Up to this many tokens per block (the launcher takes kMaxTokensPerBlock for large batches, 1 otherwise).
-constexpr int kMaxTokensPerBlock = 4;
+// Tokens per block for large batches (the launcher takes 1 otherwise).
+constexpr int kManyPerBlock = 4;
 
-// A block per `tpb` consecutive tokens. Its threads stride over four kinds of work item per token, each VEC
+// A block per TPB consecutive tokens. Its threads stride over four kinds of work item per token, each VEC
 // wide: rotary pairs of q heads (in place), rotary pairs of k heads (into the key cache), the pass-through
 // dims of k heads beyond rot_dim (copied into the key cache) and whole v heads (into the value cache).
 // Padding rows (slot < 0) and out-of-range slots rotate q only. Several tokens per block because a token's
-// position and slot are one global round trip before its data's: read for all of the block's tokens at
-// once, they cost one round trip per block rather than per token (prefill batches of thousands of tokens
-// ran at ~55% of the copy bandwidth with a block per token).
-template <typename T, int VEC>
+// position and slot are one global round trip before its data's: every thread loads all of the block's
+// positions and slots at once (broadcast loads, no shared memory or barrier), so they cost one round trip
+// per block rather than per token (prefill batches of thousands of tokens ran at ~55% of the copy
+// bandwidth with a block per token).
+template <typename T, int VEC, int TPB>
 __global__ void rotary_and_cache_kernel(const int64_t* __restrict__ positions, T* __restrict__ q,
                                         const T* __restrict__ key, const T* __restrict__ value,
                                         T* __restrict__ key_cache, T* __restrict__ value_cache,
                                         const int64_t* __restrict__ slot_mapping,
-                                        const float* __restrict__ cos_sin_cache, int64_t num_tokens, int tpb,
+                                        const float* __restrict__ cos_sin_cache, int64_t num_tokens,
                                         int num_heads, int num_kv_heads, int head_size, int rot_dim,
                                         int block_size, int64_t num_slots, int64_t max_position, int64_t q_tok,
                                         int64_t q_head, int64_t k_tok, int64_t k_head, int64_t v_tok,
                                         int64_t v_head, int64_t c_block, int64_t c_tok, int64_t c_head, bool neox) {
   pdl_trigger_early<PDL_ROPE>();
-  __shared__ int64_t s_pos[kMaxTokensPerBlock], s_slot[kMaxTokensPerBlock];
-  const int64_t token0 = (int64_t)blockIdx.x * tpb;
-  const int n_tok = (int)min((int64_t)tpb, num_tokens - token0);
-  if ((int)threadIdx.x < n_tok) {
-    int64_t pos = positions[token0 + threadIdx.x];
+  const int64_t token0 = (int64_t)blockIdx.x * TPB;
+  const int n_tok = (int)min((int64_t)TPB, num_tokens - token0);
+  int64_t r_pos[TPB], r_slot[TPB];
+#pragma unroll
+  for (int u = 0; u < TPB; ++u) {
+    int64_t pos = 0, slot = -1;
+    if (u < n_tok) {
+      pos = positions[token0 + u];
+      slot = slot_mapping[token0 + u];
+    }
     // Out-of-range positions are a caller bug; clamp (as rotary.cu does) rather than read outside the table.
-    if (pos < 0) pos = 0;
-    if (pos >= max_position) pos = max_position - 1;
-    s_pos[threadIdx.x] = pos;
-    s_slot[threadIdx.x] = slot_mapping[token0 + threadIdx.x];
+    r_pos[u] = pos < 0 ? 0 : (pos >= max_position ? max_position - 1 : pos);
+    r_slot[u] = slot;
   }
-  __syncthreads();
   const int half = rot_dim / 2;
   // positions, slot_mapping (host->device copies) and the cos/sin table (constant) are never written by
   // a kernel in flight: read them and start the tokens' table rows (rot_dim floats each) moving into L2
   // before waiting. q, key and value are that kernel's outputs (the qkv projection), and the cache slots
   // may still be read by it: both only after pdl_wait().
-  for (int u = 0; u < n_tok; ++u) {
-    const float* cos_row = cos_sin_cache + s_pos[u] * rot_dim;
+#pragma unroll
+  for (int u = 0; u < TPB; ++u) {
+    if (u >= n_tok) break;
+    const float* cos_row = cos_sin_cache + r_pos[u] * rot_dim;
     for (int b = (int)threadIdx.x * 32; b < rot_dim; b += (int)blockDim.x * 32) {
       asm volatile("prefetch.global.L2 [%0];" ::"l"(cos_row + b));
     }
@@ -157,9 +162,11 @@ __global__ void rotary_and_cache_kernel(const int64_t* __restrict__ positions, T
   const int pass_items = (head_size - rot_dim) / VEC;  // per k head, VEC elements each
   const int head_items = head_size / VEC;              // per v head
   const int q_work = num_heads * rot_items;
-  for (int u = 0; u < n_tok; ++u) {
-    const int64_t token = token0 + u, slot = s_slot[u];
-    const float* cos_row = cos_sin_cache + s_pos[u] * rot_dim;
+#pragma unroll
+  for (int u = 0; u < TPB; ++u) {
+    if (u >= n_tok) break;
+    const int64_t token = token0 + u, slot = r_slot[u];
+    const float* cos_row = cos_sin_cache + r_pos[u] * rot_dim;
     const float* sin_row = cos_row + half;
     const bool cached = slot >= 0 && slot < num_slots;
     const int kr_work = cached ? num_kv_heads * rot_items : 0;
@@ -207,7 +214,7 @@ __global__ void rotary_and_cache_kernel(const int64_t* __restrict__ positions, T
   }
 }
 
-// From this many tokens on, blocks take kMaxTokensPerBlock tokens each.
+// From this many tokens on, blocks take kManyPerBlock tokens each.
 constexpr int64_t kManyTokens = 1024;
 
 static bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -221,13 +228,14 @@ static void launch(int threads, cudaStream_t s, int64_t num_tokens, const int64_
                    int64_t c_tok, int64_t c_head, bool neox) {
   // Several tokens per block only where the grid stays many waves deep (prefill batches); decode batches of
   // a few hundred tokens keep a block each, so every SM gets work.
-  const int tpb = num_tokens >= kManyTokens ? kMaxTokensPerBlock : 1;
+  const bool many = num_tokens >= kManyTokens;
+  const int tpb = many ? kManyPerBlock : 1;
   const unsigned blocks = (unsigned)((num_tokens + tpb - 1) / tpb);
-  launch_pdl(rotary_and_cache_kernel<T, VEC>, dim3(blocks), dim3(threads), 0, s,
-      positions, static_cast<T*>(q), static_cast<const T*>(key), static_cast<const T*>(value),
-      static_cast<T*>(key_cache), static_cast<T*>(value_cache), slot_mapping, cos_sin_cache, num_tokens, tpb,
-      num_heads, num_kv_heads, head_size, rot_dim, block_size, num_slots, max_position, q_tok, q_head, k_tok, k_head,
-      v_tok, v_head, c_block, c_tok, c_head, neox);
+  launch_pdl(many ? rotary_and_cache_kernel<T, VEC, kManyPerBlock> : rotary_and_cache_kernel<T, VEC, 1>, dim3(blocks),
+      dim3(threads), 0, s, positions, static_cast<T*>(q), static_cast<const T*>(key), static_cast<const T*>(value),
+      static_cast<T*>(key_cache), static_cast<T*>(value_cache), slot_mapping, cos_sin_cache, num_tokens, num_heads,
+      num_kv_heads, head_size, rot_dim, block_size, num_slots, max_position, q_tok, q_head, k_tok, k_head, v_tok,
+      v_head, c_block, c_tok, c_head, neox);
 }
 
 }  // namespace rope_cache
