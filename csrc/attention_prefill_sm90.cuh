@@ -218,11 +218,19 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
   const float post = capped ? p.softcap * kLog2e : 1.0f;
   const float mul = capped ? 1.0f : pre;  // scores stay unscaled; the scale is folded into the exponent
 
-  // Turns on the tensor cores: consumer cw waits on named barrier 3 + cw, which the other one arrives at
-  // once it has issued its MMAs. Consumer 0 starts each item; turns strictly alternate, so every arrival
-  // meets its wait (consumer 1 does not hand back an item's last turn, which nobody would take).
-  auto take_turn = [&]() { named_sync(3 + cw, 256); };
-  auto pass_turn = [&]() { named_arrive(3 + (cw ^ 1), 256); };
+  // Turns on the tensor cores: a consumer waits on its named barrier, which the other one arrives at once
+  // it has issued its MMAs. Consumer 0 starts each item; turns strictly alternate, and consumer 1 does not
+  // hand back an item's last turn (nobody would take it). So consumer 0 arrives twice in a row at item
+  // boundaries (its last turn of one item, its first of the next), possibly before consumer 1 has waited
+  // for the first: on one barrier the second arrival would complete the phase without the waiter (a hang).
+  // Consumer 0 therefore hands over on barrier 4 or 5 by the parity of the item (counting items with key
+  // tiles); before it can arrive at the same one again it takes a turn from consumer 1 (barrier 3) within
+  // the next item, which consumer 1 gives only after its last wait of the previous one.
+  // (experiments/prefill_turns_model.py checks the protocol.)
+  int n_items = 0;  // items with key tiles so far
+  auto bar_of = [&](int c) { return c == 0 ? 3 : 4 + (n_items & 1); };
+  auto take_turn = [&]() { named_sync(bar_of(cw), 256); };
+  auto pass_turn = [&]() { named_arrive(bar_of(cw ^ 1), 256); };
 
   int g = 0;  // K/V tiles this CTA has consumed: the ring position
   for (int j = 0;; ++j) {
@@ -348,6 +356,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1)
       if (cw == 0) pass_turn();
       wgmma_wait<0>();
       if (wt == 0) mbar_arrive(empty_v + 8 * last);
+      ++n_items;
     }
     g += kr.n_tiles;
 
