@@ -363,11 +363,9 @@ struct Pipeline {
   __device__ __forceinline__ void start(const Params& p, const Work& w, unsigned char* smem,
                                         int (*s_ids)[TL::THREADS], uint64_t* stage_bars = nullptr) {
     bars = stage_bars;
-    if (BULK && threadIdx.x == 0) {
-      for (int s = 0; s < TL::S; ++s) {  // published by the __syncthreads below
-        hopper::mbar_init(smem_addr(bars + s), TL::THREADS);
-        hopper::fence_mbar_init();
-      }
+    if (BULK && threadIdx.x == 0) {  // published by the __syncthreads below
+      for (int s = 0; s < TL::S; ++s) hopper::mbar_init(smem_addr(bars + s), TL::THREADS);
+      hopper::fence_mbar_init();
     }
     k_cache = static_cast<const T*>(p.k_cache) + (int64_t)w.kv_head * p.head_stride;
     v_cache = static_cast<const T*>(p.v_cache) + (int64_t)w.kv_head * p.head_stride;
