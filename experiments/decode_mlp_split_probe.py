@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from wllm.bench.timing import cuda_time_ms
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import ops
 
@@ -111,17 +112,9 @@ def run_case(m: int) -> None:
             assert err < 2e-2, f"{name}: relative error {err}"
     graphs = {name: capture_graph(fn)[0] for name, fn in cases.items()}
     times = {name: [] for name in graphs}
-    for _ in range(7):
+    for _ in range(7):  # rounds alternate the cases, so clock drift hits them alike
         for name, g in graphs.items():
-            g.replay()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(3):
-                g.replay()
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b) * 1e3 / (3 * L))
+            times[name].append(cuda_time_ms(g.replay, 1, 3) * 1e3 / L)
     base = statistics.median(times["whole"])
     for name, t in times.items():
         print(f"M={m:<5} {name:<22} {statistics.median(t):8.1f} us per layer  {statistics.median(t) / base:.3f}x")

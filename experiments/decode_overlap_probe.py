@@ -4,12 +4,10 @@ KV cache, ~600 MB) and the qkv + o projections (their own weights). Times L laye
 GEMMs only, both in sequence, and both on two streams (attention of a layer beside unrelated GEMMs), in
 CUDA graphs and eagerly, with the GEMM stream at normal or high priority. us per layer."""
 
-import statistics
-
 import torch
 
 from wllm import kernels
-from wllm.engine.cuda_graphs import capture_graph
+from wllm.bench.timing import cuda_time_ms, graph_us
 
 torch.manual_seed(0)
 dev, dt = "cuda", torch.bfloat16
@@ -65,21 +63,8 @@ def two_streams(side, mlp):
 
 
 def time_us(fn, graph):
-    if graph:
-        g, _ = capture_graph(fn)
-        fn = g.replay
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(15):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / L)
-    return statistics.median(ts)
+    """us per layer of fn (L layers): replayed from a CUDA graph, or launched eagerly."""
+    return graph_us(fn, L, 3, 15) if graph else cuda_time_ms(fn, 3, 15) * 1e3 / L
 
 
 lo, hi = torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)
