@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from wllm import LLM, SamplingParams
 from wllm.bench.shapes import resolve_shape
+from wllm.entrypoints.bench_cli import parse_engine_arg
 
 FAMILIES = (  # first match wins
     ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "splitKreduce", "gemv")),
@@ -145,9 +146,12 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=128)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-gc", action="store_true", help="cyclic GC off during the two timed batches")
+    parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+                        help="another LLM(...) engine argument, e.g. prefill_first=true (repeatable)")
     args = parser.parse_args()
 
-    llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.6)
+    llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.6,
+              **dict(args.engine_arg))
     gen = torch.Generator().manual_seed(0)
 
     def prompts(n: int) -> list[list[int]]:

@@ -347,6 +347,13 @@ def test_bad_requests_get_clear_errors(tmp_path_factory):
     engine = engine_for(model, blocks=8)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("x", [VOCAB + 5], GREEDY)
+    with pytest.raises(ValueError, match=r"\[-1\] are outside the vocabulary"):
+        engine.add_request("x", [3, -1, 4], GREEDY)
+    for bad in ([3, 1.5], [3, "4"], [3, None]):
+        with pytest.raises(ValueError, match="must be integers"):
+            engine.add_request("x", bad, GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("x", [2**70], GREEDY)
     with pytest.raises(ValueError, match="no tokenizer"):
         engine.add_request("x", "hello", GREEDY)
     with pytest.raises(ValueError, match="at most 31 prompt tokens"):

@@ -78,6 +78,20 @@ def test_chat_and_generate(llm: LLM) -> None:
     assert len(many) == 3
 
 
+def test_prompt_forms_and_bad_token_ids(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3)
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    want = llm.generate(ids, params)[0].outputs[0].token_ids
+    for form in (tuple(ids), {"prompt_token_ids": ids}, [torch.tensor(ids).numpy()]):
+        assert llm.generate(form, params)[0].outputs[0].token_ids == want
+    for bad in ([ids + [1.5]], {"prompt_token_ids": ["1"]}, [ids + [10**9]]):
+        with pytest.raises(ValueError, match="must be integers|outside the vocabulary"):
+            llm.generate(bad, params)
+    with pytest.raises(TypeError, match="a prompt must be"):
+        llm.generate([3.5], params)
+    assert not llm.engine.has_unfinished()
+
+
 CONFIGS = {
     "one-step-budget": dict(max_num_batched_tokens=2048),
     "chunks-of-16-no-prefix-cache": dict(max_num_batched_tokens=16, enable_prefix_caching=False),

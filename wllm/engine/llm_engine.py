@@ -48,6 +48,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence as Seq
+from operator import index
 from typing import Any
 
 import msgspec
@@ -224,14 +225,17 @@ class LLMEngine:
                 raise ValueError("this engine has no tokenizer; pass prompt token ids instead of text")
             prompt_ids = list(self.tokenizer.encode(prompt))
         else:
-            prompt_ids = [int(t) for t in prompt]
+            # operator.index: ints (numpy's too) only; a float or a digit string is an error, not truncated.
+            try:
+                prompt_ids = list(map(index, prompt))
+            except TypeError as e:
+                raise ValueError(f"prompt token ids must be integers: {e}") from None
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if vocab is not None:
+        if vocab is not None and prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
         group = RequestGroup(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
                              arrival_time=arrival_time, seed=self._rng.getrandbits(63), final_only=final_only)
         self.scheduler.add_group(group)

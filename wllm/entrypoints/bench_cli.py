@@ -34,7 +34,9 @@ _HELP = {
 }
 
 
-def _engine_arg(text: str) -> tuple[str, Any]:
+def parse_engine_arg(text: str) -> tuple[str, Any]:
+    """`--engine-arg KEY=VALUE` -> (key, value): the value as JSON where it parses (numbers,
+    true/false, null), else the string; dashes in the key become underscores."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--engine-arg wants KEY=VALUE, got {text!r}")
@@ -79,7 +81,7 @@ def _add_bench(sub: Any, name: str) -> None:
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="KV cache bytes on the CPU")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="engine max_model_len (default: 4096, or the workload's length when longer)")
-    p.add_argument("--engine-arg", type=_engine_arg, action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
                    help="any other LLM(...) engine argument, e.g. max_num_batched_tokens=8192 (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and the engine")
     p.add_argument("--bandwidth-gbs", type=float, default=None, help="floor bandwidth in GB/s (default H200 4232)")

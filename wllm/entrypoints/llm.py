@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from wllm.engine.llm_engine import LLMEngine
@@ -120,15 +120,17 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return items
 
 
-def _prompt_input(prompt: Prompt) -> str | list[int]:
+def _prompt_input(prompt: Prompt) -> str | Iterable[int]:
+    """A prompt as `LLMEngine.add_request` takes it, which checks token ids (integers, in the
+    vocabulary) in one pass."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
-            return [int(t) for t in prompt["prompt_token_ids"]]
+            return prompt["prompt_token_ids"]
         if "prompt" in prompt:
             return str(prompt["prompt"])
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-    if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
-        return list(prompt)
+    if isinstance(prompt, Iterable):  # a list, tuple, array or tensor of token ids
+        return prompt
     raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
