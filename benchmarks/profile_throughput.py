@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--no-gc", action="store_true", help="cyclic GC off during the two timed batches")
     parser.add_argument("--engine-arg", type=parse_engine_arg, action="append", default=[], metavar="KEY=VALUE",
-                        help="another LLM(...) engine argument, e.g. prefill_first=true (repeatable)")
+                        help="another LLM(...) engine argument, e.g. max_num_batched_tokens=16384 (repeatable)")
     args = parser.parse_args()
 
     llm = LLM(args.shape, load_format="dummy", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.6,
