@@ -111,6 +111,7 @@ __device__ __forceinline__ void to_float(const Vec<T, VEC>& in, float* out) {
 template <typename T, int D, int GQ>
 struct Tiling {
   using L = Layout<T, D, GQ>;
+  static constexpr bool TMA = false;
   static constexpr int THREADS = kThreads, WARPS = kWarps;
   static constexpr int kElem = (int)sizeof(T);
   static constexpr int ROW_BYTES = D * kElem + (L::LPT < 8 ? L::LPT * L::VEC * kElem : 16);
@@ -127,6 +128,7 @@ struct Tiling {
   static constexpr int UNIT = (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
   static constexpr int ACC_BYTES = kWarps * GQ * D * 4;  // the end-of-loop combine reuses the stages
   static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);
+  static constexpr int USABLE_BYTES = SMEM_BYTES;  // of it, from the kernel's smem pointer
   static_assert(ROW_BYTES % 16 == 0, "rows must keep 16-byte alignment for cp.async");
   static_assert(SMEM_BYTES <= 44 * 1024, "static shared memory must stay under 48 KB");
   static_assert(TT % PASS == 0 && TT * CPR <= NCH * kThreads, "tile shape");
@@ -297,6 +299,50 @@ __device__ __forceinline__ void issue_tile_bulk(unsigned char* stage, uint64_t* 
   hopper::mbar_arrive(smem_addr(bar));
 }
 
+// issue_tile for TL::TMA: thread 0 raises the stage barrier's transaction count (its one arrival) and
+// issues, per cache block of the tile that holds rows before `end`, one box of min(block size, TT) rows x
+// 64 columns per column block for K and for V, into [column block][TT rows][128 bytes] (128-byte swizzled
+// by the TMA engine). Rows past `end` are left as they are; the kernel zeroes V's (tma_zero_tail).
+template <typename TL>
+__device__ __forceinline__ void issue_tile_tma(unsigned char* stage, uint64_t* bar, const CUtensorMap* map_k,
+                                               const CUtensorMap* map_v, const int (*ids)[TL::THREADS], int tb0,
+                                               int tile0, int end, const Params& p, int col0) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if (threadIdx.x != 0) return;
+  constexpr int H = TL::DIM / 64;
+  const int bs = 1 << p.block_shift;
+  const int rows = bs < TL::TT ? bs : TL::TT;
+  const int boxes = min(TL::TT / rows, (end - tile0 + rows - 1) / rows);
+  hopper::mbar_expect_tx(smem_addr(bar), (uint32_t)(2 * H * boxes * rows * 128));
+  for (int b = 0; b < boxes; ++b) {
+    const int pos = tile0 + b * rows;
+    const int id = window_id<TL::THREADS>(ids, (pos >> p.block_shift) - tb0);
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      unsigned char* dst = stage + h * TL::TT * 128 + b * rows * 128;
+      hopper::tma_load_3d(smem_addr(dst), map_k, col0 + 64 * h, pos & (bs - 1), id, smem_addr(bar));
+      hopper::tma_load_3d(smem_addr(dst + TL::TT * TL::ROW_BYTES), map_v, col0 + 64 * h, pos & (bs - 1), id,
+                          smem_addr(bar));
+    }
+  }
+#endif
+}
+
+// TL::TMA, the tile starting at tile0 once landed: zero its V rows at and past `end` (stale or never
+// written shared memory; the MMA multiplies whole 16-row slices by P, and 0 * NaN is NaN). K's rows there
+// only feed scores that are masked to -inf by selection.
+template <typename TL>
+__device__ __forceinline__ void tma_zero_tail(unsigned char* stage, int tile0, int end) {
+  const int first = end - tile0;
+  if (first >= TL::TT) return;
+  constexpr int H = TL::DIM / 64;
+  unsigned char* v = stage + TL::TT * TL::ROW_BYTES;
+  for (int i = threadIdx.x; i < H * TL::TT * 8; i += TL::THREADS) {
+    const int h = i / (TL::TT * 8), r = (i / 8) % TL::TT;
+    if (r >= first) reinterpret_cast<uint4*>(v + h * TL::TT * 128 + r * 128)[i % 8] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // What one CTA covers: blockIdx.x = sequence * (KV heads x chunks) + KV-head chunk, so the CTAs of one
 // sequence's heads are launched together and read the interleaved head rows of the same cache blocks at
 // about the same time (DRAM pages opened once rather than once per wave); blockIdx.z = split.
@@ -353,18 +399,26 @@ struct Pipeline {
   int tb0, tb_last, block_mask, begin, end, num_tiles;
   int have;         // the highest window held in s_ids (window w sits in slot w & 1)
   int next_window;  // this thread's entry of window have + 1
+  const CUtensorMap* map_k;  // TL::TMA: the caches' tensor maps and this CTA's first column in them
+  const CUtensorMap* map_v;
+  int col0;
 
   // Block-id windows 0 and 1 (one round trip; window 2 stays in flight in a register), then the copies
   // of the first S - 1 tiles, which lie within windows 0 and 1; then pdl_wait() and the newest row.
   // The newest row may still be being written by the previous kernel: the prologue tiles leave it out and
   // it is loaded after pdl_wait() (one 16-byte chunk of its K and V rows per thread, an L2 load stored
   // straight into its stage; the __syncthreads at the top of the tile loop publishes it with the
-  // cp.async data). Tiles issued in the main loop come after the wait.
+  // cp.async data). Tiles issued in the main loop come after the wait. TL::TMA copies whole cache blocks,
+  // so the prologue tile holding the newest row is issued after pdl_wait() instead.
   __device__ __forceinline__ void start(const Params& p, const Work& w, unsigned char* smem,
-                                        int (*s_ids)[TL::THREADS], uint64_t* stage_bars = nullptr) {
+                                        int (*s_ids)[TL::THREADS], uint64_t* stage_bars = nullptr,
+                                        const CUtensorMap* tma_k = nullptr, const CUtensorMap* tma_v = nullptr) {
     bars = stage_bars;
+    map_k = tma_k;
+    map_v = tma_v;
+    col0 = w.kv_head * (int)p.head_stride;
     if (BULK && threadIdx.x == 0) {  // published by the __syncthreads below
-      for (int s = 0; s < TL::S; ++s) hopper::mbar_init(smem_addr(bars + s), TL::THREADS);
+      for (int s = 0; s < TL::S; ++s) hopper::mbar_init(smem_addr(bars + s), TL::TMA ? 1 : TL::THREADS);
       hopper::fence_mbar_init();
     }
     k_cache = static_cast<const T*>(p.k_cache) + (int64_t)w.kv_head * p.head_stride;
@@ -386,14 +440,19 @@ struct Pipeline {
     }
     __syncthreads();
     const int newest = w.seq_len - 1;
+    const int t_new = (newest - begin) / TL::TT;  // tile of the newest row when this CTA covers it
+    const bool new_in_prologue = newest >= begin && newest < end && t_new < TL::S - 1;
 #pragma unroll
     for (int s = 0; s < TL::S - 1; ++s) {
-      if (s < num_tiles) issue(smem, s, s_ids, begin + s * TL::TT, p, newest);
+      if (s < num_tiles && !(TL::TMA && new_in_prologue && s == t_new)) {
+        issue(smem, s, s_ids, begin + s * TL::TT, p, newest);
+      }
       cp_async_commit();  // empty groups keep the group count uniform
     }
     pdl_wait_and_trigger<PDL_ATTENTION>();
-    const int t_new = (newest - begin) / TL::TT;  // tile of the newest row when this CTA covers it
-    if (newest >= begin && newest < end && t_new < TL::S - 1 && (int)threadIdx.x < TL::CPR) {
+    if constexpr (TL::TMA) {
+      if (new_in_prologue) issue(smem, t_new, s_ids, begin + t_new * TL::TT, p, -1);
+    } else if (new_in_prologue && (int)threadIdx.x < TL::CPR) {
       constexpr int kPerChunk = 16 / (int)sizeof(T);
       const int id = window_id<TL::THREADS>(s_ids, (newest >> p.block_shift) - tb0);
       const int64_t off = (int64_t)id * p.block_stride + (int64_t)(newest & block_mask) * p.token_stride +
@@ -408,7 +467,9 @@ struct Pipeline {
   // Issues the copies of the tile starting at tile0 into `stage`.
   __device__ __forceinline__ void issue(unsigned char* smem, int stage, const int (*s_ids)[TL::THREADS], int tile0,
                                         const Params& p, int skip_pos) {
-    if constexpr (BULK) {
+    if constexpr (TL::TMA) {
+      issue_tile_tma<TL>(smem + stage * TL::STAGE_BYTES, bars + stage, map_k, map_v, s_ids, tb0, tile0, end, p, col0);
+    } else if constexpr (BULK) {
       issue_tile_bulk<TL, ZERO_TAIL>(smem + stage * TL::STAGE_BYTES, bars + stage, k_cache, v_cache, s_ids, tb0,
                                      tile0, end, p, block_mask, skip_pos);
     } else {
@@ -423,6 +484,7 @@ struct Pipeline {
     if constexpr (BULK) {
       const unsigned parity = (unsigned)(j / TL::S) & 1u;
       hopper::mbar_wait(smem_addr(bars + j % TL::S), parity);
+      if constexpr (TL::TMA) tma_zero_tail<TL>(smem + (j % TL::S) * TL::STAGE_BYTES, begin + j * TL::TT, end);
     } else {
       cp_async_wait<TL::S - 2>();
     }
@@ -526,7 +588,7 @@ __device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned 
   // they travel, warp ww turns the (max, sum) of heads ww, ww + W, ... into one weight per split (a lane
   // per split: kChunk <= 32) and the rescale of what earlier chunks summed.
   constexpr int kQuads = D / 4;
-  constexpr int kChunk = cmin(32, TL::SMEM_BYTES / ((GQ * D + GQ) * (int)sizeof(float)));
+  constexpr int kChunk = cmin(32, TL::USABLE_BYTES / ((GQ * D + GQ) * (int)sizeof(float)));
   static_assert(kChunk >= 1 && D % 4 == 0, "merge staging");
   float* s_po = reinterpret_cast<float*>(smem);  // [kChunk][GQ][D] partial outputs
   float* s_w = s_po + kChunk * GQ * D;           // [kChunk][GQ] weights
@@ -666,7 +728,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
     pipe.advance(j, p, smem, s_ids);
 
     const unsigned char* k_tile = smem + (j % S) * TL::STAGE_BYTES;
-    const unsigned char* v_tile = k_tile + TT * ROW;
+    const unsigned char* v_tile = k_tile + TT * TL::ROW_BYTES;
     const int tile0 = begin + j * TT;
 
     // ---- scores of this group's U tokens: sc[u] = head (li / HPL)'s score -------------------
@@ -852,11 +914,17 @@ struct MmaStages {
   static constexpr int STAGES_LAT = cmax(STAGES_BW, D >= 96 ? 4 : 6);
 };
 
-template <typename T, int D, int STAGES>
+// TMA_: the tile comes as TMA boxes of 16-32 rows x 64 columns per cache block (one thread issues a
+// handful per tile instead of one bulk copy per row and lane, which the compiler serialises lane by lane);
+// its rows are then dense, D / 64 column blocks of TT rows x 128 bytes, 128-byte swizzled (tile_chunk).
+template <typename T, int D, int STAGES, bool TMA_ = false>
 struct MmaTiling {
+  static constexpr bool TMA = TMA_;
+  static constexpr int DIM = D;
   static constexpr int THREADS = kMmaThreads, WARPS = kMmaThreads / 32;
-  static constexpr int ROW_BYTES = MmaStages<D>::ROW_BYTES, TT = MmaStages<D>::TT;
-  static constexpr int STAGE_BYTES = MmaStages<D>::STAGE_BYTES;
+  static constexpr int TT = MmaStages<D>::TT;
+  static constexpr int ROW_BYTES = TMA ? D * 2 : MmaStages<D>::ROW_BYTES;
+  static constexpr int STAGE_BYTES = 2 * TT * ROW_BYTES;  // K and V
   static constexpr int S = STAGES;
   static constexpr bool LATENCY = STAGES > MmaStages<D>::STAGES_BW;
   static constexpr int CPR = D * 2 / 16;
@@ -868,8 +936,12 @@ struct MmaTiling {
   static constexpr int UNIT = LATENCY ? TT : (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
   static constexpr int SINGLE_MAX = LATENCY ? 4 * TT : UNIT + kSinglePassExtraTiles * TT;
   static constexpr int ACC_BYTES = WARPS * kMmaHeads * D * 4;
-  static constexpr int SMEM_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);  // dynamic shared memory
+  // Dynamic shared memory; TMA: plus slack to align the stages to the 1,024-byte swizzle atom, so that
+  // USABLE_BYTES of it follow the aligned pointer the kernel works with.
+  static constexpr int USABLE_BYTES = cmax(S * STAGE_BYTES, ACC_BYTES);
+  static constexpr int SMEM_BYTES = USABLE_BYTES + (TMA ? 1024 : 0);
   static_assert(D % 16 == 0, "head size must be a multiple of the MMA's k = 16");
+  static_assert(!TMA || D % 64 == 0, "TMA tiles are 64-column blocks");
   static_assert(S >= 2 && SMEM_BYTES <= 96 * 1024, "fits every sm_80+ GPU's shared memory per block");
 };
 
@@ -920,13 +992,27 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-template <typename T, int D, int STAGES>
-__global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Params p) {
-  using TL = MmaTiling<T, D, STAGES>;
-  constexpr int GQ = kMmaHeads, KS = D / 16;  // k-steps of the scores, m-tiles of the output
-  constexpr int TT = TL::TT, ROW = TL::ROW_BYTES;
+// Address of 16-byte chunk `chunk` of row `row` of a K or V tile: padded rows, or (TL::TMA) the TMA
+// engine's layout, D / 64 column blocks of TT rows x 128 bytes with the 16-byte chunks of row r permuted
+// by r mod 8 (128-byte swizzle; the stages are 1,024-byte aligned).
+template <typename TL>
+__device__ __forceinline__ const unsigned char* tile_chunk(const unsigned char* tile, int row, int chunk) {
+  if constexpr (TL::TMA) {
+    return tile + (chunk >> 3) * (TL::TT * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+  } else {
+    return tile + row * TL::ROW_BYTES + chunk * 16;
+  }
+}
 
-  extern __shared__ __align__(16) unsigned char smem[];  // TL::SMEM_BYTES
+template <typename T, int D, int STAGES, bool TMA>
+__device__ __forceinline__ void mma_decode(const Params& p, const CUtensorMap* tma_k, const CUtensorMap* tma_v) {
+  using TL = MmaTiling<T, D, STAGES, TMA>;
+  constexpr int GQ = kMmaHeads, KS = D / 16;  // k-steps of the scores, m-tiles of the output
+  constexpr int TT = TL::TT;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // TL::SMEM_BYTES
+  unsigned char* smem = smem_raw;
+  if constexpr (TMA) smem += ((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw);
   __shared__ float s_m[TL::WARPS][GQ], s_l[TL::WARPS][GQ];
   __shared__ int s_ids[2][TL::THREADS];
   __shared__ int s_last;
@@ -938,7 +1024,7 @@ __global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Par
   // pdl_wait(); q and the newest row (just written by rotary_and_cache / reshape_and_cache) after it.
   __shared__ uint64_t s_bars[TL::S];
   Pipeline<TL, true, T, kBulkRows> pipe;
-  pipe.start(p, w, smem, s_ids, s_bars);
+  pipe.start(p, w, smem, s_ids, s_bars, tma_k, tma_v);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int qd = lane & 3, qr = lane >> 2;  // position in the quad, quad (row group of the fragments)
@@ -968,13 +1054,13 @@ __global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Par
     const int tile0 = w.begin + j * TT;
     if (tile0 + r0 >= w.end) continue;  // this warp's rows of the last tile are all past the end
     const unsigned char* k_tile = smem + (j % TL::S) * TL::STAGE_BYTES;
-    const unsigned char* v_tile = k_tile + TT * ROW;
+    const unsigned char* v_tile = k_tile + TT * TL::ROW_BYTES;
 
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
       uint32_t a[4];
-      ldsm_x4<false>(a, k_tile + (r0 + (lane & 15)) * ROW + (kk * 16 + (lane >> 4) * 8) * 2);
+      ldsm_x4<false>(a, tile_chunk<TL>(k_tile, r0 + (lane & 15), kk * 2 + (lane >> 4)));
       mma16816<T>(c, a, qb[kk][0], qb[kk][1]);
     }
     // c: tokens qr (c[0], c[1]) and qr + 8 (c[2], c[3]) of heads 2qd, 2qd + 1.
@@ -1011,7 +1097,7 @@ __global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Par
 #pragma unroll
     for (int mt = 0; mt < KS; ++mt) {
       uint32_t a[4];
-      ldsm_x4<true>(a, v_tile + (r0 + (lane & 7) + ((lane >> 4) << 3)) * ROW + (mt * 16 + ((lane >> 3) & 1) * 8) * 2);
+      ldsm_x4<true>(a, tile_chunk<TL>(v_tile, r0 + (lane & 7) + ((lane >> 4) << 3), mt * 2 + ((lane >> 3) & 1)));
       mma16816<T>(o[mt], a, b0, b1);
     }
   }
@@ -1039,6 +1125,22 @@ __global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Par
   }
   __syncthreads();
   finish<T, D, GQ, TL>(p, w, smem, &s_m[0][0], &s_l[0][0], &s_last);
+}
+
+template <typename T, int D, int STAGES>
+__global__ void __launch_bounds__(kMmaThreads) paged_decode_mma_kernel(const Params p) {
+  mma_decode<T, D, STAGES, false>(p, nullptr, nullptr);
+}
+
+// The same with the tiles by TMA boxes (sm_90a; see MmaTiling): map_k / map_v describe the caches as
+// [blocks][block rows][KV-head columns] with boxes of min(block size, TT) rows x 64 columns.
+template <typename T, int D, int STAGES>
+__global__ void __launch_bounds__(kMmaThreads)
+    paged_decode_tma_kernel(const __grid_constant__ CUtensorMap map_k, const __grid_constant__ CUtensorMap map_v,
+                            const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  mma_decode<T, D, STAGES, true>(p, &map_k, &map_v);
+#endif
 }
 
 // Merges the splits of one (sequence, query head) when the main kernel could not (more
@@ -1154,6 +1256,43 @@ static bool launch_mma_kernel(Params p, dim3 grid, cudaStream_t s) {
   return true;
 }
 
+// The bandwidth variant with TMA tiles (paged_decode_tma_kernel): on sm_90 (the kernel is built as
+// sm_90a), for head sizes 64 and 128, without a sliding window (whose span starts inside a cache block;
+// TMA boxes are whole blocks), when TMA can describe the caches. WLLM_DECODE_TMA=0 turns it off (A/B).
+static std::atomic<int> g_tma_switch(-1);
+static int tma_from_environment() { return env_equals("WLLM_DECODE_TMA", "0") ? 0 : 1; }
+
+template <typename T, int D, int STAGES>
+static bool launch_tma_kernel(const Params& p, dim3 grid, const DeviceProps& dev, cudaStream_t s) {
+  if constexpr (D % 64 != 0) {
+    return false;
+  } else {
+    using TL = MmaTiling<T, D, STAGES, true>;
+    if (!(dev.major == 9 && dev.minor == 0) || p.window != 0 || !lazy_setting(g_tma_switch, tma_from_environment)) {
+      return false;
+    }
+    const int block_size = 1 << p.block_shift;
+    const uint64_t dims[3] = {(uint64_t)(p.num_kv_heads - 1) * (uint64_t)p.head_stride + (uint64_t)D,
+                              (uint64_t)block_size, (uint64_t)1 << 31};  // the table names only real blocks
+    const uint64_t strides[2] = {(uint64_t)p.token_stride * 2, (uint64_t)p.block_stride * 2};
+    const uint32_t box[3] = {64, (uint32_t)(block_size < TL::TT ? block_size : TL::TT), 1};
+    const bool is_half = std::is_same<T, __half>::value;
+    CUtensorMap map_k, map_v;
+    if (!hopper::make_tensor_map(&map_k, is_half, p.k_cache, 3, dims, strides, box) ||
+        !hopper::make_tensor_map(&map_v, is_half, p.v_cache, 3, dims, strides, box)) {
+      return false;
+    }
+    static std::atomic<uint64_t> smem_allowed(0);
+    if (!allow_smem(paged_decode_tma_kernel<T, D, STAGES>, TL::SMEM_BYTES, smem_allowed)) return false;
+    Params pt = p;
+    pt.split_unit = TL::UNIT;
+    pt.single_max = TL::SINGLE_MAX;
+    launch_pdl(paged_decode_tma_kernel<T, D, STAGES>, grid, dim3(TL::THREADS), TL::SMEM_BYTES, s, map_k, map_v, pt);
+    launch_merge_fallback<T>(pt, grid, D, s);
+    return true;
+  }
+}
+
 // Tensor-core mode: -1 = not read yet, then 0 (off), 1 (everywhere) or 2 (the default: large grids only,
 // small batches on the FMA kernel). From the environment (WLLM_DECODE_MMA=0: mode 0;
 // WLLM_DECODE_MMA_SMALL_BATCH=1: mode 1) or wllm_set_decode_mma. Mode 2 is the default because at
@@ -1188,7 +1327,8 @@ static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
       if (few && mma_switch() == 2) {
         // small batches on the FMA kernel (below)
       } else if (few ? launch_mma_kernel<T, D, MmaStages<D>::STAGES_LAT>(p, grid, s)
-              : launch_mma_kernel<T, D, MmaStages<D>::STAGES_BW>(p, grid, s)) {
+              : launch_tma_kernel<T, D, MmaStages<D>::STAGES_BW>(p, grid, dev, s) ||
+                    launch_mma_kernel<T, D, MmaStages<D>::STAGES_BW>(p, grid, s)) {
         return;
       }
     }
