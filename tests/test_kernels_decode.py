@@ -245,6 +245,34 @@ def test_paged_decode_cuda_wide_grid(dtype, head_size, num_heads, num_kv_heads, 
                                    msg=lambda m, k=splits: f"splits={k}: {m}")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 8), (64, 16, 16)])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_paged_decode_cuda_wide_grid_nan_in_free_slots(head_size, num_heads, num_kv_heads, block_size) -> None:
+    """The wide-grid regime (on sm_90: K/V tiles by TMA boxes, which copy whole cache blocks) with NaN in
+    every cache slot no sequence owns: past each context in its last block, and in unused blocks. Rows past
+    the context must never reach the output (0 * NaN is NaN)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_seqs = -(-8 * sms // num_kv_heads) + 3
+    pattern = [1, 5, 31, 32, 33, 47, 64, 100, 257]
+    lens = [pattern[i % len(pattern)] for i in range(num_seqs)]
+    q, cache, tables, lens_t = make_paged(lens, num_heads, num_kv_heads, head_size, block_size, torch.bfloat16,
+                                          "cuda", 23)
+    scale = head_size**-0.5
+    want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale)
+    owned = torch.zeros(cache.shape[2], block_size, dtype=torch.bool)
+    table_rows = tables.cpu().tolist()
+    for s, n in enumerate(lens):
+        for pos in range(n):
+            owned[table_rows[s][pos // block_size], pos % block_size] = True
+    cache[0, :, ~owned.cuda()] = float("nan")
+    for splits in (0, 3):
+        got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale, num_splits=splits)
+        assert not torch.isnan(got).any(), f"splits={splits}: NaN from a free slot"
+        torch.testing.assert_close(got, want, rtol=TOL[torch.bfloat16][0], atol=TOL[torch.bfloat16][1],
+                                   msg=lambda m, k=splits: f"splits={k}: {m}")
+
+
 @pytest.mark.usefixtures("decode_kernel")
 @pytest.mark.cuda
 def test_paged_decode_cuda_strided_q_and_out() -> None:
