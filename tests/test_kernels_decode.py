@@ -49,6 +49,18 @@ def make_paged(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_size
     return q.to(device), cache.to(device), tables.to(device), lens.to(device)
 
 
+def poison_free_slots(cache: torch.Tensor, tables: torch.Tensor, lens: list[int]) -> None:
+    """NaN into every slot of a make_paged cache that no sequence owns (past each context in its last
+    block, and unused blocks)."""
+    block_size = cache.shape[3]
+    owned = torch.zeros(cache.shape[2], block_size, dtype=torch.bool)
+    table_rows = tables.cpu().tolist()
+    for s, n in enumerate(lens):
+        for pos in range(n):
+            owned[table_rows[s][pos // block_size], pos % block_size] = True
+    cache[0, :, ~owned.to(cache.device)] = float("nan")
+
+
 def decode64(q, key_cache, value_cache, tables, lens, scale, window=0, softcap=0.0) -> torch.Tensor:
     """Decode attention from first principles in float64, one sequence and head at a time."""
     num_seqs, num_heads, head_size = q.shape
@@ -114,6 +126,18 @@ def test_decode_reference_matches_engine_paged_attention() -> None:
     got = kernels.paged_decode_attention(q, cache[1, 0], cache[1, 1], tables, torch.tensor(lens, dtype=torch.int32),
                                          0.125, sliding_window=10)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_reference_ignores_nan_in_free_slots(block_size: int) -> None:
+    # The batch is padded to its longest sequence, so shorter ones gather slots they do not own.
+    lens = [1, 5, 17, 40, 0]
+    q, cache, tables, lens_t = make_paged(lens, 8, 2, 64, block_size, torch.float32, "cpu", 4)
+    want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, 0.125, sliding_window=12)
+    poison_free_slots(cache, tables, lens)
+    got = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, 0.125, sliding_window=12)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want)
 
 
 def test_reshape_and_cache_reference() -> None:
@@ -260,12 +284,7 @@ def test_paged_decode_cuda_wide_grid_nan_in_free_slots(head_size, num_heads, num
                                           "cuda", 23)
     scale = head_size**-0.5
     want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale)
-    owned = torch.zeros(cache.shape[2], block_size, dtype=torch.bool)
-    table_rows = tables.cpu().tolist()
-    for s, n in enumerate(lens):
-        for pos in range(n):
-            owned[table_rows[s][pos // block_size], pos % block_size] = True
-    cache[0, :, ~owned.cuda()] = float("nan")
+    poison_free_slots(cache, tables, lens)
     for splits in (0, 3):
         got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale, num_splits=splits)
         assert not torch.isnan(got).any(), f"splits={splits}: NaN from a free slot"

@@ -187,6 +187,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         allowed &= pos[None, :] >= (lens[:, None] - sliding_window)
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked (empty) rows -> zeros
+    # The batch is padded to its longest sequence: a shorter one gathers slots it does not own, whose
+    # values (a NaN or inf left in a reused block) must not meet its zero probabilities (0 * inf is NaN).
+    values = values.masked_fill(~allowed[:, :, None, None], 0.0)
     o = torch.einsum("skgl,slkd->skgd", probs, values)
     return o.reshape(num_seqs, num_heads, -1).to(q.dtype)
 
