@@ -47,6 +47,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from operator import index
 from typing import Any
@@ -206,7 +207,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Seq[int],
+        prompt: str | Iterable[int],
         params: SamplingParams | None = None,
         *,
         priority: int = 0,
