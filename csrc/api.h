@@ -19,7 +19,7 @@
 #define WLLM_FN(name) WLLM_CAT(name, WLLM_SYMBOL_SUFFIX)
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatched library.
-#define WLLM_ABI_VERSION 4
+#define WLLM_ABI_VERSION 5
 
 enum WllmStatus {
   WLLM_OK = 0,
@@ -56,6 +56,13 @@ WLLM_API int WLLM_FN(wllm_set_pdl)(int enable);
 // WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=1 in the environment (read at the first launch) set
 // modes 0 / 1. Returns the previous mode; affects launches made after the call.
 WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode);
+
+// Paged decode attention's K/V tiles by TMA boxes on SM 9.0 (the tensor-core kernel's bandwidth variant,
+// head sizes 64 and 128, no sliding window). Modes: 2 = calls without splits on the persistent kernel (a
+// resident grid streaming unit after unit), the rest one CTA per unit (default); 1 = one CTA per unit
+// everywhere; 0 = off (per-row bulk copies). WLLM_DECODE_TMA=0 / =1 in the environment set modes 0 / 1.
+// Returns the previous mode; affects launches made after the call.
+WLLM_API int WLLM_FN(wllm_set_decode_tma)(int mode);
 
 // The Hopper (wgmma) prefill-attention kernel on SM 9.0: 1 (the default; WLLM_PREFILL_SM90=0 starts with
 // 0) or 0 (the mma.sync kernel). Process-wide; returns the previous setting.

@@ -517,7 +517,20 @@ struct Pipeline {
 // ~2 us of a ~9 us call while its per-element loops chained an exp per split). So the exps run once per
 // (warp or split, head) -- a thread per head, or a warp per head with a lane per split -- and each output
 // element is then a dot product over warps or splits whose loads and FMAs do not wait on each other.
-template <typename T, int D, int GQ, typename TL>
+// Barrier over the CTA's first THREADS threads (named barrier 1) -- the consumer warps of a kernel whose
+// producer warp does not take part -- or, with NAMED false, over the whole CTA.
+template <bool NAMED, int THREADS>
+__device__ __forceinline__ void cta_or_named_sync() {
+  if constexpr (NAMED) {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(THREADS) : "memory");
+  } else {
+    __syncthreads();
+  }
+}
+
+// NAMED: only the first TL::THREADS threads run this (see cta_or_named_sync), and the CTA covers the whole
+// span (no splits).
+template <typename T, int D, int GQ, typename TL, bool NAMED = false>
 __device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned char* smem, const float* s_m,
                                        const float* s_l, int* s_last) {
   constexpr int W = TL::WARPS;
@@ -545,7 +558,7 @@ __device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned 
     s_hm[h] = m;
     s_hl[h] = sum;
   }
-  __syncthreads();
+  cta_or_named_sync<NAMED, TL::THREADS>();
   const int64_t row_base = ((int64_t)w.seq * p.num_heads + w.head0) * p.splits + w.split;
   for (int i = threadIdx.x; i < w.heads * D; i += TL::THREADS) {
     const int h = i / D, d = i - h * D;
@@ -564,7 +577,7 @@ __device__ __forceinline__ void finish(const Params& p, const Work& w, unsigned 
       }
     }
   }
-  if (direct || !p.fused) return;
+  if (NAMED || direct || !p.fused) return;
 
   // ---- fused merge: the last split CTA of this (sequence, KV-head chunk) combines them all ------
   // One thread takes the ticket for the CTA: the barrier orders every thread's partials before its
@@ -1004,58 +1017,44 @@ __device__ __forceinline__ const unsigned char* tile_chunk(const unsigned char* 
   }
 }
 
-template <typename T, int D, int STAGES, bool TMA>
-__device__ __forceinline__ void mma_decode(const Params& p, const CUtensorMap* tma_k, const CUtensorMap* tma_v) {
-  using TL = MmaTiling<T, D, STAGES, TMA>;
-  constexpr int GQ = kMmaHeads, KS = D / 16;  // k-steps of the scores, m-tiles of the output
-  constexpr int TT = TL::TT;
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];  // TL::SMEM_BYTES
-  unsigned char* smem = smem_raw;
-  if constexpr (TMA) smem += ((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw);
-  __shared__ float s_m[TL::WARPS][GQ], s_l[TL::WARPS][GQ];
-  __shared__ int s_ids[2][TL::THREADS];
-  __shared__ int s_last;
-
-  pdl_trigger_early<PDL_ATTENTION>();
-  Work w;
-  if (!plan_work<T, D, TL::THREADS>(p, w)) return;
-  // PDL: the block table and every K/V row but the newest (written by an earlier step) are read before
-  // pdl_wait(); q and the newest row (just written by rotary_and_cache / reshape_and_cache) after it.
-  __shared__ uint64_t s_bars[TL::S];
-  Pipeline<TL, true, T, kBulkRows> pipe;
-  pipe.start(p, w, smem, s_ids, s_bars, tma_k, tma_v);
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int qd = lane & 3, qr = lane >> 2;  // position in the quad, quad (row group of the fragments)
-  const int r0 = warp * 16;                 // this warp's first row of every tile
-
-  // q as the B operand of the scores (heads past `heads` are zero: their columns are never written).
-  uint32_t qb[KS][2];
-  {
-    const T* qh = static_cast<const T*>(p.q) + (int64_t)w.seq * p.q_seq_stride +
-                  (int64_t)(w.head0 + min(qr, w.heads - 1)) * p.q_head_stride + 2 * qd;
+// q of query heads head0 .. head0 + heads - 1 as the B operand of the scores (fragment layout; heads past
+// `heads` are zero: their columns are never written).
+template <typename T, int D>
+__device__ __forceinline__ void load_q_fragment(uint32_t (&qb)[D / 16][2], const Params& p, int seq, int head0,
+                                                int heads, int lane) {
+  const int qd = lane & 3, qr = lane >> 2;
+  const T* qh = static_cast<const T*>(p.q) + (int64_t)seq * p.q_seq_stride +
+                (int64_t)(head0 + min(qr, heads - 1)) * p.q_head_stride + 2 * qd;
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      qb[kk][0] = qr < w.heads ? *reinterpret_cast<const uint32_t*>(qh + 16 * kk) : 0u;
-      qb[kk][1] = qr < w.heads ? *reinterpret_cast<const uint32_t*>(qh + 16 * kk + 8) : 0u;
-    }
+  for (int kk = 0; kk < D / 16; ++kk) {
+    qb[kk][0] = qr < heads ? *reinterpret_cast<const uint32_t*>(qh + 16 * kk) : 0u;
+    qb[kk][1] = qr < heads ? *reinterpret_cast<const uint32_t*>(qh + 16 * kk + 8) : 0u;
+  }
+}
+
+// One warp's online softmax over its 16 rows of each K/V tile, for the kMmaHeads query heads of the CTA
+// (tensor-core kernels). O^T m-tile mt: o[mt][0] = (dim 16mt + qr, head 2qd), [1] = (same dim, head
+// 2qd + 1), [2], [3] = dim + 8; m0 / m1 are the running maxima of heads 2qd and 2qd + 1 (the same in all
+// 8 lanes of qd), l0 / l1 this lane's part of their running sums.
+template <typename T, int D, typename TL>
+struct WarpSoftmax {
+  static constexpr int KS = D / 16;  // k-steps of the scores, m-tiles of the output
+  float o[KS][4];
+  float m0, m1, l0, l1;
+
+  __device__ __forceinline__ void reset() {
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+    m0 = m1 = -INFINITY;
+    l0 = l1 = 0.0f;
   }
 
-  // O^T m-tile mt: o[mt][0] = (dim 16mt + qr, head 2qd), [1] = (same dim, head 2qd + 1), [2], [3] = dim + 8.
-  float o[KS][4];
-#pragma unroll
-  for (int mt = 0; mt < KS; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY;  // running max of heads 2qd and 2qd + 1 (same in all 8 lanes of qd)
-  float l0 = 0.0f, l1 = 0.0f;            // this lane's part of their running sums
-
-  for (int j = 0; j < pipe.num_tiles; ++j) {
-    pipe.advance(j, p, smem, s_ids);
-    const int tile0 = w.begin + j * TT;
-    if (tile0 + r0 >= w.end) continue;  // this warp's rows of the last tile are all past the end
-    const unsigned char* k_tile = smem + (j % TL::S) * TL::STAGE_BYTES;
-    const unsigned char* v_tile = k_tile + TT * TL::ROW_BYTES;
-
+  // Rows row0 .. row0 + 15 (positions; row0 < end) of the tile whose K rows start at k_tile (local rows
+  // r0 .. r0 + 15) and whose V rows follow them.
+  __device__ __forceinline__ void tile(const unsigned char* k_tile, const uint32_t (&qb)[KS][2], int r0, int row0,
+                                       int end, float scale, float softcap, int lane) {
+    const int qr = lane >> 2;
+    const unsigned char* v_tile = k_tile + TL::TT * TL::ROW_BYTES;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
@@ -1066,9 +1065,9 @@ __device__ __forceinline__ void mma_decode(const Params& p, const CUtensorMap* t
     // c: tokens qr (c[0], c[1]) and qr + 8 (c[2], c[3]) of heads 2qd, 2qd + 1.
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float sc = c[i] * p.scale;
-      if (p.softcap > 0.0f) sc = p.softcap * tanhf(sc / p.softcap);
-      c[i] = tile0 + r0 + qr + (i >> 1) * 8 < w.end ? sc : -INFINITY;
+      float sc = c[i] * scale;
+      if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+      c[i] = row0 + qr + (i >> 1) * 8 < end ? sc : -INFINITY;
     }
     float mx0 = fmaxf(c[0], c[2]), mx1 = fmaxf(c[1], c[3]);
 #pragma unroll
@@ -1076,7 +1075,7 @@ __device__ __forceinline__ void mma_decode(const Params& p, const CUtensorMap* t
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
     }
-    // Row r0 of the tile is before the end, so both maxima are finite.
+    // Row row0 is before the end, so both maxima are finite.
     const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
     const float f0 = __expf(m0 - n0), f1 = __expf(m1 - n1);  // 0 while nothing was seen
     m0 = n0;
@@ -1101,28 +1100,71 @@ __device__ __forceinline__ void mma_decode(const Params& p, const CUtensorMap* t
       mma16816<T>(o[mt], a, b0, b1);
     }
   }
+
+  // The warp's unnormalised output into s_acc [WARPS][kMmaHeads][D] and its (max, sum) per head into
+  // s_m / s_l [WARPS][kMmaHeads], for finish().
+  __device__ __forceinline__ void store(float* s_acc, float* s_m, float* s_l, int warp, int lane) {
+    constexpr int GQ = kMmaHeads;
+    const int qd = lane & 3, qr = lane >> 2;
 #pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    for (int off = 4; off < 32; off <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      float* h0 = s_acc + (warp * GQ + 2 * qd) * D + mt * 16 + qr;
+      h0[0] = o[mt][0];
+      h0[D] = o[mt][1];
+      h0[8] = o[mt][2];
+      h0[D + 8] = o[mt][3];
+    }
+    if (qr == 0) {
+      s_m[warp * GQ + 2 * qd] = m0;
+      s_m[warp * GQ + 2 * qd + 1] = m1;
+      s_l[warp * GQ + 2 * qd] = l0;
+      s_l[warp * GQ + 2 * qd + 1] = l1;
+    }
+  }
+};
+
+template <typename T, int D, int STAGES, bool TMA>
+__device__ __forceinline__ void mma_decode(const Params& p, const CUtensorMap* tma_k, const CUtensorMap* tma_v) {
+  using TL = MmaTiling<T, D, STAGES, TMA>;
+  constexpr int GQ = kMmaHeads, KS = D / 16;
+  constexpr int TT = TL::TT;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // TL::SMEM_BYTES
+  unsigned char* smem = smem_raw;
+  if constexpr (TMA) smem += ((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw);
+  __shared__ float s_m[TL::WARPS][GQ], s_l[TL::WARPS][GQ];
+  __shared__ int s_ids[2][TL::THREADS];
+  __shared__ int s_last;
+
+  pdl_trigger_early<PDL_ATTENTION>();
+  Work w;
+  if (!plan_work<T, D, TL::THREADS>(p, w)) return;
+  // PDL: the block table and every K/V row but the newest (written by an earlier step) are read before
+  // pdl_wait(); q and the newest row (just written by rotary_and_cache / reshape_and_cache) after it.
+  __shared__ uint64_t s_bars[TL::S];
+  Pipeline<TL, true, T, kBulkRows> pipe;
+  pipe.start(p, w, smem, s_ids, s_bars, tma_k, tma_v);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r0 = warp * 16;  // this warp's first row of every tile
+  uint32_t qb[KS][2];
+  load_q_fragment<T, D>(qb, p, w.seq, w.head0, w.heads, lane);
+  WarpSoftmax<T, D, TL> acc;
+  acc.reset();
+  for (int j = 0; j < pipe.num_tiles; ++j) {
+    pipe.advance(j, p, smem, s_ids);
+    const int tile0 = w.begin + j * TT;
+    if (tile0 + r0 >= w.end) continue;  // this warp's rows of the last tile are all past the end
+    acc.tile(smem + (j % TL::S) * TL::STAGE_BYTES, qb, r0, tile0 + r0, w.end, p.scale, p.softcap, lane);
   }
   cp_async_wait<0>();
   __syncthreads();  // the combine below reuses the stage memory
-  float* s_acc = reinterpret_cast<float*>(smem);  // [WARPS][GQ][D]
-#pragma unroll
-  for (int mt = 0; mt < KS; ++mt) {
-    float* h0 = s_acc + (warp * GQ + 2 * qd) * D + mt * 16 + qr;
-    h0[0] = o[mt][0];
-    h0[D] = o[mt][1];
-    h0[8] = o[mt][2];
-    h0[D + 8] = o[mt][3];
-  }
-  if (qr == 0) {
-    s_m[warp][2 * qd] = m0;
-    s_m[warp][2 * qd + 1] = m1;
-    s_l[warp][2 * qd] = l0;
-    s_l[warp][2 * qd + 1] = l1;
-  }
+  acc.store(reinterpret_cast<float*>(smem), &s_m[0][0], &s_l[0][0], warp, lane);
   __syncthreads();
   finish<T, D, GQ, TL>(p, w, smem, &s_m[0][0], &s_l[0][0], &s_last);
 }
@@ -1140,6 +1182,171 @@ __global__ void __launch_bounds__(kMmaThreads)
                             const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   mma_decode<T, D, STAGES, true>(p, &map_k, &map_v);
+#endif
+}
+
+// Persistent TMA decode (sm_90a, calls without splits; the offline batch's regime of many short
+// contexts). With one CTA per (sequence, KV-head chunk), each CTA paid its start-up -- block-table and q
+// loads, the pipeline fill -- and its combine with no K/V bytes in flight, which at ~18 tiles per CTA cost
+// ~10% of the bandwidth. Here a grid of resident CTAs takes units u = blockIdx.x, blockIdx.x + gridDim.x,
+// ... in turn, and one producer warp streams all of its units' tiles through the stages without a break:
+// the next unit's first tiles land while the consumers finish the last one. The two consumer warps
+// compute as mma_decode does; their combine has its own shared memory (the stages stay in flight).
+//
+// Stages: full[s] completes when a tile's boxes land (the producer's expect_tx), empty[s] when both
+// consumer warps are done with it. Tile g of the CTA's stream (over all its units) uses stage g % S in
+// phase g / S. PDL: the producer issues the first unit's tiles before pdl_wait() up to the one holding the
+// newest row; the consumers wait before reading q or writing anything.
+template <typename T, int D, int STAGES>
+struct PersistTiling {
+  using TL = MmaTiling<T, D, STAGES, true>;
+  static constexpr int THREADS = TL::THREADS + 32;  // consumers + one producer warp
+  static constexpr int ACC_OFFSET = STAGES * TL::STAGE_BYTES;
+  static constexpr int ACC_BYTES = TL::ACC_BYTES;
+  static constexpr int SMEM_BYTES = ACC_OFFSET + ACC_BYTES + 1024;  // + the 1,024-byte alignment slack
+};
+
+// The largest stage count whose stages and combine memory fit the shared-memory budget of the bandwidth
+// variant (D = 128: 2 stages, D = 64: 5).
+template <int D>
+struct PersistStages {
+  static constexpr int STAGE_BYTES = 2 * MmaStages<D>::TT * D * 2;
+  static constexpr int ACC = (kMmaThreads / 32) * kMmaHeads * D * 4;
+  static constexpr int STAGES = cmin(6, cmax(2, (kStageBudget - ACC) / STAGE_BYTES));
+};
+
+// Unit u of a call without splits: (sequence, KV head, chunk of its query-head group), as plan_work.
+__device__ __forceinline__ void unit_work(const Params& p, int u, Work& w) {
+  const int pairs = p.num_kv_heads * p.chunks;
+  w.seq = u / pairs;
+  const int hc = u - w.seq * pairs;
+  w.kv_head = hc / p.chunks;
+  const int g0 = (hc - w.kv_head * p.chunks) * p.per_chunk;
+  w.heads = min(p.per_chunk, p.group - g0);
+  w.head0 = w.kv_head * p.group + g0;
+  w.split = 0;
+  w.begin = 0;
+}
+
+template <typename T, int D, int STAGES>
+__global__ void __launch_bounds__(PersistTiling<T, D, STAGES>::THREADS)
+    paged_decode_tma_persistent_kernel(const __grid_constant__ CUtensorMap map_k,
+                                       const __grid_constant__ CUtensorMap map_v, const Params p, int units) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using PT = PersistTiling<T, D, STAGES>;
+  using TL = typename PT::TL;
+  constexpr int GQ = kMmaHeads, KS = D / 16, TT = TL::TT, S = STAGES, H = D / 64;
+  extern __shared__ __align__(16) unsigned char smem_raw[];  // PT::SMEM_BYTES
+  unsigned char* smem = smem_raw + (((smem_addr(smem_raw) + 1023u) & ~1023u) - smem_addr(smem_raw));
+  __shared__ float s_m[TL::WARPS][GQ], s_l[TL::WARPS][GQ];
+  __shared__ uint64_t full[S], empty[S];
+  __shared__ int s_last;  // unused: finish() never merges here
+
+  pdl_trigger_early<PDL_ATTENTION>();
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < S; ++i) {
+      hopper::mbar_init(smem_addr(full + i), 1);
+      hopper::mbar_init(smem_addr(empty + i), TL::WARPS);
+    }
+    hopper::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= TL::THREADS) {  // ---- producer warp: lane 0 issues every tile ----
+    if (threadIdx.x == TL::THREADS) {
+      const int bs = 1 << p.block_shift;
+      const int rows = bs < TT ? bs : TT;  // rows per box
+      constexpr int kMaxBoxes = TT / kMinBlockSize;
+      bool waited = false;
+      int g = 0;
+      int len = blockIdx.x < (unsigned)units ? max(p.seq_lens[(int)blockIdx.x / (p.num_kv_heads * p.chunks)], 0) : 0;
+      for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        Work w;
+        unit_work(p, u, w);
+        const int un = u + (int)gridDim.x;  // the next unit's length, loaded a unit ahead
+        const int next_len = un < units ? max(p.seq_lens[un / (p.num_kv_heads * p.chunks)], 0) : 0;
+        const int32_t* table = p.block_tables + (int64_t)w.seq * p.block_table_stride;
+        const int col0 = w.kv_head * (int)p.head_stride;
+        for (int tile0 = 0; tile0 < len; tile0 += TT, ++g) {
+          const int boxes = min(TT / rows, (len - tile0 + rows - 1) / rows);
+          int ids[kMaxBoxes];
+#pragma unroll
+          for (int b = 0; b < kMaxBoxes; ++b) ids[b] = b < boxes ? __ldg(table + ((tile0 + b * rows) >> p.block_shift)) : 0;
+          const int st = g % S;
+          if (g >= S) hopper::mbar_wait(smem_addr(empty + st), (unsigned)(g / S - 1) & 1u);
+          if (!waited && tile0 + TT >= len) {  // this tile holds the newest row, written by the kernel before
+            pdl_wait_and_trigger<PDL_ATTENTION>();
+            waited = true;
+          }
+          unsigned char* stage = smem + st * TL::STAGE_BYTES;
+          hopper::mbar_expect_tx(smem_addr(full + st), (uint32_t)(2 * H * boxes * rows * 128));
+#pragma unroll
+          for (int b = 0; b < kMaxBoxes; ++b) {
+            if (b < boxes) {
+              const int pos = tile0 + b * rows;
+#pragma unroll
+              for (int h = 0; h < H; ++h) {
+                unsigned char* dst = stage + h * TT * 128 + b * rows * 128;
+                hopper::tma_load_3d(smem_addr(dst), &map_k, col0 + 64 * h, pos & (bs - 1), ids[b], smem_addr(full + st));
+                hopper::tma_load_3d(smem_addr(dst + TT * TL::ROW_BYTES), &map_v, col0 + 64 * h, pos & (bs - 1), ids[b],
+                                    smem_addr(full + st));
+              }
+            }
+          }
+        }
+        len = next_len;
+      }
+      if (!waited) pdl_wait_and_trigger<PDL_ATTENTION>();
+    } else {
+      pdl_wait_and_trigger<PDL_ATTENTION>();
+    }
+    return;
+  }
+
+  // ---- consumer warps ----
+  pdl_wait_and_trigger<PDL_ATTENTION>();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r0 = warp * 16;
+  float* s_acc = reinterpret_cast<float*>(smem + PT::ACC_OFFSET);
+  int g = 0;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    Work w;
+    unit_work(p, u, w);
+    w.seq_len = max(p.seq_lens[w.seq], 0);
+    w.end = w.seq_len;
+    w.n_active = 1;
+    if (w.seq_len == 0) {  // a padding row: zeros
+      T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride;
+      for (int i = threadIdx.x; i < w.heads * D; i += TL::THREADS) {
+        out[(int64_t)(w.head0 + i / D) * p.out_head_stride + i % D] = Conv<T>::from_float(0.0f);
+      }
+      continue;
+    }
+    uint32_t qb[KS][2];
+    load_q_fragment<T, D>(qb, p, w.seq, w.head0, w.heads, lane);
+    WarpSoftmax<T, D, TL> acc;
+    acc.reset();
+    const int num_tiles = (w.end + TT - 1) / TT;
+    for (int j = 0; j < num_tiles; ++j, ++g) {
+      const int st = g % S;
+      unsigned char* stage = smem + st * TL::STAGE_BYTES;
+      hopper::mbar_wait(smem_addr(full + st), (unsigned)(g / S) & 1u);
+      const int tile0 = j * TT;
+      if (j == num_tiles - 1) {
+        // Zero V's rows past the end (whole cache blocks landed), before the async proxy writes this stage
+        // again; the barrier also keeps a warp's next combine from overtaking the other's output loop.
+        tma_zero_tail<TL>(stage, tile0, w.end);
+        hopper::fence_proxy_async();
+        cta_or_named_sync<true, TL::THREADS>();
+      }
+      if (tile0 + r0 < w.end) acc.tile(stage, qb, r0, tile0 + r0, w.end, p.scale, p.softcap, lane);
+      __syncwarp();
+      if (lane == 0) hopper::mbar_arrive(smem_addr(empty + st));
+    }
+    acc.store(s_acc, &s_m[0][0], &s_l[0][0], warp, lane);
+    cta_or_named_sync<true, TL::THREADS>();
+    finish<T, D, GQ, TL, true>(p, w, reinterpret_cast<unsigned char*>(s_acc), &s_m[0][0], &s_l[0][0], &s_last);
+  }
 #endif
 }
 
@@ -1256,11 +1463,31 @@ static bool launch_mma_kernel(Params p, dim3 grid, cudaStream_t s) {
   return true;
 }
 
-// The bandwidth variant with TMA tiles (paged_decode_tma_kernel): on sm_90 (the kernel is built as
-// sm_90a), for head sizes 64 and 128, without a sliding window (whose span starts inside a cache block;
-// TMA boxes are whole blocks), when TMA can describe the caches. WLLM_DECODE_TMA=0 turns it off (A/B).
+// The bandwidth variant with TMA tiles: on sm_90 (the kernels are built as sm_90a), for head sizes 64 and
+// 128, without a sliding window (whose span starts inside a cache block; TMA boxes are whole blocks), when
+// TMA can describe the caches. Mode (g_tma_switch): 0 off, 1 one CTA per unit (paged_decode_tma_kernel),
+// 2 (the default) calls without splits on the persistent kernel, the rest as 1. WLLM_DECODE_TMA=0 / =1 in
+// the environment set the initial mode; wllm_set_decode_tma changes it.
 static std::atomic<int> g_tma_switch(-1);
-static int tma_from_environment() { return env_equals("WLLM_DECODE_TMA", "0") ? 0 : 1; }
+static int tma_from_environment() {
+  if (env_equals("WLLM_DECODE_TMA", "0")) return 0;
+  return env_equals("WLLM_DECODE_TMA", "1") ? 1 : 2;
+}
+static int tma_switch() { return lazy_setting(g_tma_switch, tma_from_environment); }
+
+// CTAs of `kernel` resident per SM with `threads` threads and `smem` bytes of dynamic shared memory, asked
+// once (every sm_90 GPU has the same SM resources; only sm_90 runs these kernels).
+template <typename Kernel>
+static int resident_ctas(Kernel kernel, int threads, int smem, std::atomic<int>& cached) {
+  int n = cached.load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, (size_t)smem) != cudaSuccess || n < 1) {
+    cudaGetLastError();
+    return 0;
+  }
+  cached.store(n, std::memory_order_relaxed);
+  return n;
+}
 
 template <typename T, int D, int STAGES>
 static bool launch_tma_kernel(const Params& p, dim3 grid, const DeviceProps& dev, cudaStream_t s) {
@@ -1268,23 +1495,36 @@ static bool launch_tma_kernel(const Params& p, dim3 grid, const DeviceProps& dev
     return false;
   } else {
     using TL = MmaTiling<T, D, STAGES, true>;
-    if (!(dev.major == 9 && dev.minor == 0) || p.window != 0 || !lazy_setting(g_tma_switch, tma_from_environment)) {
+    const int mode = tma_switch();
+    if (!(dev.major == 9 && dev.minor == 0) || p.window != 0 || mode == 0) return false;
+    const int block_size = 1 << p.block_shift;
+    CUtensorMap map_k, map_v;
+    if (!hopper::paged_cache_maps(&map_k, &map_v, std::is_same<T, __half>::value, p.k_cache, p.v_cache,
+                                  p.num_kv_heads, p.head_stride, D, block_size, p.token_stride, p.block_stride,
+                                  block_size < TL::TT ? block_size : TL::TT)) {
       return false;
     }
-    const int block_size = 1 << p.block_shift;
-    const uint64_t dims[3] = {(uint64_t)(p.num_kv_heads - 1) * (uint64_t)p.head_stride + (uint64_t)D,
-                              (uint64_t)block_size, (uint64_t)1 << 31};  // the table names only real blocks
-    const uint64_t strides[2] = {(uint64_t)p.token_stride * 2, (uint64_t)p.block_stride * 2};
-    const uint32_t box[3] = {64, (uint32_t)(block_size < TL::TT ? block_size : TL::TT), 1};
-    const bool is_half = std::is_same<T, __half>::value;
-    CUtensorMap map_k, map_v;
-    if (!hopper::make_tensor_map(&map_k, is_half, p.k_cache, 3, dims, strides, box) ||
-        !hopper::make_tensor_map(&map_v, is_half, p.v_cache, 3, dims, strides, box)) {
-      return false;
+    Params pt = p;
+    if (mode == 2 && p.splits == 1) {
+      constexpr int PS = PersistStages<D>::STAGES;
+      using PT = PersistTiling<T, D, PS>;
+      static std::atomic<uint64_t> persist_smem_allowed(0);
+      static std::atomic<int> per_sm(0);
+      const auto kernel = paged_decode_tma_persistent_kernel<T, D, PS>;
+      if (allow_smem(kernel, PT::SMEM_BYTES, persist_smem_allowed)) {
+        const int n = resident_ctas(kernel, PT::THREADS, PT::SMEM_BYTES, per_sm);
+        if (n > 0) {
+          const int units = (int)grid.x;
+          const unsigned ctas = (unsigned)min((int64_t)units, (int64_t)n * dev.sms);
+          pt.split_unit = TL::UNIT;
+          pt.single_max = INT_MAX;
+          launch_pdl(kernel, dim3(ctas), dim3(PT::THREADS), PT::SMEM_BYTES, s, map_k, map_v, pt, units);
+          return true;
+        }
+      }
     }
     static std::atomic<uint64_t> smem_allowed(0);
     if (!allow_smem(paged_decode_tma_kernel<T, D, STAGES>, TL::SMEM_BYTES, smem_allowed)) return false;
-    Params pt = p;
     pt.split_unit = TL::UNIT;
     pt.single_max = TL::SINGLE_MAX;
     launch_pdl(paged_decode_tma_kernel<T, D, STAGES>, grid, dim3(TL::THREADS), TL::SMEM_BYTES, s, map_k, map_v, pt);
@@ -1383,6 +1623,12 @@ WLLM_TRACE_TU(attn)
 WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode) {
   const int previous = WLLM_NS::decode::mma_switch();
   WLLM_NS::decode::g_mma_switch.store(mode == 0 || mode == 2 ? mode : 1);
+  return previous;
+}
+
+WLLM_API int WLLM_FN(wllm_set_decode_tma)(int mode) {
+  const int previous = WLLM_NS::decode::tma_switch();
+  WLLM_NS::decode::g_tma_switch.store(mode == 0 || mode == 1 ? mode : 2);
   return previous;
 }
 

@@ -52,12 +52,8 @@ constexpr size_t sm90_smem_bytes() {
 // existing blocks, so the outer extent is simply large. False if TMA cannot describe the layout.
 inline bool sm90_cache_maps(const Params& p, int head_size, bool is_half, CUtensorMap* map_k, CUtensorMap* map_v) {
   const int block_size = 1 << p.block_shift;
-  const uint64_t dims[3] = {(uint64_t)(p.num_kv_heads - 1) * (uint64_t)p.kv_head + (uint64_t)head_size,
-                            (uint64_t)block_size, (uint64_t)1 << 31};
-  const uint64_t strides[2] = {(uint64_t)p.kv_tok * 2, (uint64_t)p.kv_block * 2};
-  const uint32_t box[3] = {64, (uint32_t)(block_size < kSm90BN ? block_size : kSm90BN), 1};
-  return hopper::make_tensor_map(map_k, is_half, p.k, 3, dims, strides, box) &&
-         hopper::make_tensor_map(map_v, is_half, p.v, 3, dims, strides, box);
+  return hopper::paged_cache_maps(map_k, map_v, is_half, p.k, p.v, p.num_kv_heads, p.kv_head, head_size, block_size,
+                                  p.kv_tok, p.kv_block, block_size < kSm90BN ? block_size : kSm90BN);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -125,5 +125,13 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead_bytes
 bool make_tensor_map(CUtensorMap* map, bool is_half, const void* ptr, int rank, const uint64_t* dims,
                      const uint64_t* strides, const uint32_t* box);
 
+// Host: the K and V maps of a paged cache pair [blocks][block size][KV heads x head stride] (strides in
+// elements), viewed as [blocks][block rows][KV-head columns] with boxes of box_rows rows x 64 columns --
+// the prefill and decode attention kernels' tiles. Remembered per key, so repeated calls (every layer of
+// every eager step) encode nothing. False when TMA cannot describe the layout.
+bool paged_cache_maps(CUtensorMap* map_k, CUtensorMap* map_v, bool is_half, const void* k, const void* v,
+                      int num_kv_heads, int64_t head_stride, int head_size, int block_size, int64_t token_stride,
+                      int64_t block_stride, int box_rows);
+
 }  // namespace hopper
 }  // namespace WLLM_NS

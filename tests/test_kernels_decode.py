@@ -32,6 +32,16 @@ def decode_kernel(request):
     kernels.set_decode_mma(previous)  # back to the default mode (small batches on the FMA kernel)
 
 
+@pytest.fixture(params=["persistent", "per-cta", "off"])
+def tma_mode(request):
+    """Runs a wide-grid CUDA test with decode attention's K/V tiles by TMA on the persistent kernel (the
+    default for calls without splits), on one CTA per sequence and KV head, and by per-row bulk copies.
+    The switch only changes anything on SM 9.0, for head sizes 64 and 128 without a sliding window."""
+    previous = kernels.set_decode_tma(request.param)
+    yield request.param
+    kernels.set_decode_tma(previous)
+
+
 def make_paged(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                dtype: torch.dtype, device: str = "cpu", seed: int = 0):
     """Random q, a one-layer engine cache [1, 2, NB, BS, Hkv, D] and scattered block tables."""
@@ -53,11 +63,12 @@ def poison_free_slots(cache: torch.Tensor, tables: torch.Tensor, lens: list[int]
     """NaN into every slot of a make_paged cache that no sequence owns (past each context in its last
     block, and unused blocks)."""
     block_size = cache.shape[3]
-    owned = torch.zeros(cache.shape[2], block_size, dtype=torch.bool)
-    table_rows = tables.cpu().tolist()
-    for s, n in enumerate(lens):
-        for pos in range(n):
-            owned[table_rows[s][pos // block_size], pos % block_size] = True
+    n = torch.tensor(lens, dtype=torch.int64, device=tables.device)
+    pos = torch.arange(max(lens + [1]), device=tables.device)
+    live = pos[None, :] < n[:, None]  # [seqs, positions]
+    blocks = tables.long().gather(1, (pos // block_size).clamp(max=tables.shape[1] - 1).expand(len(lens), -1))
+    owned = torch.zeros(cache.shape[2], block_size, dtype=torch.bool, device=tables.device)
+    owned[blocks[live], (pos % block_size).expand(len(lens), -1)[live]] = True
     cache[0, :, ~owned.to(cache.device)] = float("nan")
 
 
@@ -246,6 +257,7 @@ def test_paged_decode_cuda_large_groups_window_softcap(dtype, head_size, num_hea
                                    msg=lambda m, k=splits: f"splits={k}: {m}")
 
 
+@pytest.mark.usefixtures("tma_mode")
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 8), (64, 16, 16), (96, 24, 8)])
@@ -269,6 +281,7 @@ def test_paged_decode_cuda_wide_grid(dtype, head_size, num_heads, num_kv_heads, 
                                    msg=lambda m, k=splits: f"splits={k}: {m}")
 
 
+@pytest.mark.usefixtures("tma_mode")
 @pytest.mark.cuda
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 8), (64, 16, 16)])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
@@ -563,6 +576,7 @@ def test_paged_decode_single_pass_edges_inside_cuda_graph(head_size, num_heads, 
 
 
 @pytest.mark.usefixtures("decode_kernel")
+@pytest.mark.usefixtures("tma_mode")
 @pytest.mark.cuda
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_paged_decode_block_table_windows(block_size: int) -> None:
@@ -581,6 +595,55 @@ def test_paged_decode_block_table_windows(block_size: int) -> None:
                                        msg=lambda m, w=window, k=splits: f"window {w} splits {k}: {m}")
 
 
+@pytest.mark.usefixtures("tma_mode")
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 8), (64, 14, 2)])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_many_units_per_cta_inside_cuda_graph(head_size, num_heads, num_kv_heads, block_size,
+                                                           dtype) -> None:
+    """Several times more (sequence, KV head) units than resident CTAs, so that the persistent kernel's CTAs
+    stream many units each through their stages (stage phases wrapping across units, empty and one-token
+    contexts between long ones, tiles ending inside a block); captured once in a graph and replayed with new
+    lengths, block tables and q, with NaN in every free cache slot."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_seqs = -(-24 * sms // num_kv_heads)
+    max_seq_len = 320
+    max_blocks = -(-max_seq_len // block_size)
+    num_blocks = num_seqs * max_blocks + 1
+    gen = torch.Generator().manual_seed(31)
+    cache = torch.randn(1, 2, num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(dtype).cuda()
+    clean = cache.clone()
+    q = torch.empty(num_seqs, num_heads, head_size, device="cuda", dtype=dtype)
+    tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device="cuda")
+    lens = torch.zeros(num_seqs, dtype=torch.int32, device="cuda")
+    scale = head_size**-0.5
+
+    def step() -> torch.Tensor:
+        return kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, scale, max_seq_len=max_seq_len,
+                                              num_splits=1)
+
+    graph, out = capture_graph(step)
+    for replay in range(3):
+        n = torch.randint(0, max_seq_len + 1, (num_seqs,), generator=gen)
+        n[replay::7] = 0
+        n[replay + 1::11] = 1
+        n[replay + 2::13] = max_seq_len
+        order = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+        tables.copy_(order.int())
+        lens.copy_(n.int())
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        cache.copy_(clean)
+        want = reference.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, scale)
+        poison_free_slots(cache, tables, n.tolist())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), f"replay {replay}: NaN in the output"
+        torch.testing.assert_close(out, want, rtol=TOL[dtype][0], atol=TOL[dtype][1],
+                                   msg=lambda m, r=replay: f"replay {r}: {m}")
+
+
 @pytest.mark.cuda
 def test_paged_decode_rejects_unaligned_workspace() -> None:
     q, cache, tables, lens = make_paged([300], 8, 2, 64, 16, torch.bfloat16, "cuda", 20)
@@ -590,3 +653,27 @@ def test_paged_decode_rejects_unaligned_workspace() -> None:
     with pytest.raises(kernels.KernelError, match="16-byte aligned"):
         kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens, 0.1, max_seq_len=4096,
                                        workspace=workspace)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 8), (64, 16, 16)])
+def test_paged_decode_same_storage_other_layout(head_size, num_heads, num_kv_heads) -> None:
+    """One cache storage viewed with block size 16 and then as twice the blocks of 8 (same base pointer,
+    other block size and strides), then with 16 again: the TMA descriptors the library keeps per cache
+    layout must follow the layout, not the pointer."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_seqs = -(-8 * sms // num_kv_heads)
+    lens = [(37 * s) % 300 + 1 for s in range(num_seqs)]
+    q, cache16, tables16, lens_t = make_paged(lens, num_heads, num_kv_heads, head_size, 16, torch.bfloat16, "cuda", 33)
+    num_blocks = cache16.shape[2]
+    cache8 = cache16.view(1, 2, num_blocks * 2, 8, num_kv_heads, head_size)
+    assert cache8.data_ptr() == cache16.data_ptr()
+    # Block b of 16 rows is blocks 2b and 2b + 1 of 8 rows.
+    tables8 = torch.stack([tables16 * 2, tables16 * 2 + 1], dim=2).flatten(1)
+    tables8[tables16.repeat_interleave(2, dim=1) == UNUSED] = UNUSED
+    scale = head_size**-0.5
+    want = reference.paged_decode_attention(q, cache16[0, 0], cache16[0, 1], tables16, lens_t, scale)
+    for cache, tables in ((cache16, tables16), (cache8, tables8), (cache16, tables16)):
+        got = kernels.paged_decode_attention(q, cache[0, 0], cache[0, 1], tables, lens_t, scale)
+        torch.testing.assert_close(got, want, rtol=TOL[torch.bfloat16][0], atol=TOL[torch.bfloat16][1],
+                                   msg=lambda m, bs=cache.shape[3]: f"block size {bs}: {m}")

@@ -6,6 +6,7 @@ from wllm.kernels._lib import (
     available,
     build_info,
     set_decode_mma,
+    set_decode_tma,
     set_pdl,
     set_prefill_sm90,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "rotary_embedding",
     "sample",
     "set_decode_mma",
+    "set_decode_tma",
     "set_prefill_sm90",
     "set_pdl",
     "silu_and_mul",

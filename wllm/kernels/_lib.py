@@ -17,7 +17,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 LIB_NAME = "wllm_kernels.dll" if sys.platform == "win32" else "libwllm_kernels.so"
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 WLLM_OK = 0
 WLLM_ERR_NO_KERNEL_IMAGE = 3
@@ -72,6 +72,8 @@ SIGNATURES: dict[str, list] = {
     "wllm_set_pdl": [c_int],
     # Tensor-core decode attention switch (returns the previous setting).
     "wllm_set_decode_mma": [c_int],
+    # Decode attention's TMA-tile switch (returns the previous mode).
+    "wllm_set_decode_tma": [c_int],
     # Hopper prefill-attention switch (returns the previous setting).
     "wllm_set_prefill_sm90": [c_int],
     "wllm_sample_workspace_size": [ctypes.POINTER(c_int64)],
@@ -228,6 +230,18 @@ def set_decode_mma(enabled: bool, small_batch: bool = False, device: int = 0) ->
     before. WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=1 in the environment set the initial state."""
     mode = (1 if small_batch else 2) if enabled else 0
     return bool(binding(device).wllm_set_decode_mma(mode))
+
+
+def set_decode_tma(mode: str, device: int = 0) -> str:
+    """How paged decode attention's tensor-core kernel takes its K/V tiles on SM 9.0 (head sizes 64 and
+    128, no sliding window), for launches made from now on: "persistent" (the default: calls without
+    splits run on a resident grid whose CTAs stream unit after unit, the rest one CTA per sequence and KV
+    head), "per-cta" (one CTA per unit everywhere) or "off" (per-row bulk copies). Returns the previous
+    mode. WLLM_DECODE_TMA=0 / =1 in the environment start with "off" / "per-cta"."""
+    modes = ("off", "per-cta", "persistent")
+    if mode not in modes:
+        raise ValueError(f"decode TMA mode must be one of {', '.join(modes)}, got {mode!r}")
+    return modes[binding(device).wllm_set_decode_tma(modes.index(mode))]
 
 
 def set_prefill_sm90(enabled: bool, device: int = 0) -> bool:
