@@ -23,7 +23,10 @@
 //
 // Two kernels share that structure (Work/plan_work, Pipeline, finish): the FMA kernel below (every GPU,
 // dtype and head size) and the tensor-core kernel further down (sm_80+, fp16/bf16, head sizes up to
-// 128), which runs large batches by default; launch_for_gq chooses.
+// 128), which runs large batches by default; launch_for_gq chooses. On sm_90 the tensor-core kernel takes
+// its tiles as TMA boxes, and a call without splits runs persistent instead (a resident grid whose CTAs
+// take (sequence, KV head) units in turn, a producer warp streaming their tiles without a break between
+// units: paged_decode_tma_persistent_kernel).
 //
 // FMA kernel lane layout: LPT lanes share one token, each loading VEC contiguous elements per vector and
 // NV vectors (strided by LPT * VEC) of the head; a warp covers TPW = 32 / LPT tokens at a time. LPT
