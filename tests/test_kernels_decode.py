@@ -597,15 +597,16 @@ def test_paged_decode_block_table_windows(block_size: int) -> None:
 
 @pytest.mark.usefixtures("tma_mode")
 @pytest.mark.cuda
-@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 8), (64, 14, 2)])
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(128, 32, 8), (64, 14, 2), (128, 32, 2)])
 @pytest.mark.parametrize("block_size", [8, 16, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_paged_decode_many_units_per_cta_inside_cuda_graph(head_size, num_heads, num_kv_heads, block_size,
                                                            dtype) -> None:
     """Several times more (sequence, KV head) units than resident CTAs, so that the persistent kernel's CTAs
     stream many units each through their stages (stage phases wrapping across units, empty and one-token
-    contexts between long ones, tiles ending inside a block); captured once in a graph and replayed with new
-    lengths, block tables and q, with NaN in every free cache slot."""
+    contexts between long ones, tiles ending inside a block; 32 / 2 heads: two chunks of 8 query heads per
+    KV head); captured once in a graph and replayed with new lengths, block tables and q, with NaN in every
+    free cache slot."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     num_seqs = -(-24 * sms // num_kv_heads)
     max_seq_len = 320
