@@ -354,18 +354,34 @@ struct Work {
   int seq_len, begin, end, n_active;
 };
 
+// Unit u = (sequence, KV head, chunk of its query-head group) of a call, in blockIdx.x order: the heads of
+// a sequence are adjacent. Sets everything of w but the split and the span.
+__device__ __forceinline__ void unit_work(const Params& p, int u, Work& w) {
+  const int pairs = p.num_kv_heads * p.chunks;
+  w.seq = u / pairs;
+  const int hc = u - w.seq * pairs;
+  w.kv_head = hc / p.chunks;
+  const int g0 = (hc - w.kv_head * p.chunks) * p.per_chunk;
+  w.heads = min(p.per_chunk, p.group - g0);  // query heads this CTA serves
+  w.head0 = w.kv_head * p.group + g0;
+}
+
+// Zeros as the output of w's query heads (an empty sequence: a graph padding row gets zeros, never
+// uninitialised memory), written by the first THREADS threads.
+template <typename T, int D, int THREADS>
+__device__ __forceinline__ void zero_output(const Params& p, const Work& w) {
+  T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride;
+  for (int i = threadIdx.x; i < w.heads * D; i += THREADS) {
+    out[(int64_t)(w.head0 + i / D) * p.out_head_stride + i % D] = Conv<T>::from_float(0.0f);
+  }
+}
+
 // PDL (see common.cuh): seq_lens comes from a memory copy, so it is read before pdl_wait(). Returns false
 // when this CTA has nothing to attend (after waiting, and after writing zeros for an empty sequence: a
 // graph padding row gets zeros, never uninitialised memory).
 template <typename T, int D, int THREADS>
 __device__ __forceinline__ bool plan_work(const Params& p, Work& w) {
-  const int pairs = p.num_kv_heads * p.chunks;
-  w.seq = (int)blockIdx.x / pairs;
-  const int hc = (int)blockIdx.x - w.seq * pairs;
-  w.kv_head = hc / p.chunks;
-  const int g0 = (hc - w.kv_head * p.chunks) * p.per_chunk;
-  w.heads = min(p.per_chunk, p.group - g0);  // query heads this CTA serves
-  w.head0 = w.kv_head * p.group + g0;
+  unit_work(p, (int)blockIdx.x, w);
   w.split = blockIdx.z;
   w.seq_len = max(p.seq_lens[w.seq], 0);
   const int lo = p.window > 0 ? max(0, w.seq_len - p.window) : 0;
@@ -373,12 +389,7 @@ __device__ __forceinline__ bool plan_work(const Params& p, Work& w) {
   w.n_active = active_splits(span, p.splits, p.split_unit, p.single_max);
   if (w.n_active == 0 || w.split >= w.n_active) {
     pdl_wait_and_trigger<PDL_ATTENTION>();
-    if (w.n_active == 0 && w.split == 0) {
-      T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride;
-      for (int i = threadIdx.x; i < w.heads * D; i += THREADS) {
-        out[(int64_t)(w.head0 + i / D) * p.out_head_stride + i % D] = Conv<T>::from_float(0.0f);
-      }
-    }
+    if (w.n_active == 0 && w.split == 0) zero_output<T, D, THREADS>(p, w);
     return false;  // an empty sequence, or an idle split: no tokens, no ticket
   }
   w.begin = lo;
@@ -1213,23 +1224,9 @@ struct PersistTiling {
 // variant (D = 128: 2 stages, D = 64: 5).
 template <int D>
 struct PersistStages {
-  static constexpr int STAGE_BYTES = 2 * MmaStages<D>::TT * D * 2;
-  static constexpr int ACC = (kMmaThreads / 32) * kMmaHeads * D * 4;
-  static constexpr int STAGES = cmin(6, cmax(2, (kStageBudget - ACC) / STAGE_BYTES));
+  using TL = MmaTiling<__half, D, 2, true>;  // the sizes do not depend on the 16-bit type
+  static constexpr int STAGES = cmin(6, cmax(2, (kStageBudget - TL::ACC_BYTES) / TL::STAGE_BYTES));
 };
-
-// Unit u of a call without splits: (sequence, KV head, chunk of its query-head group), as plan_work.
-__device__ __forceinline__ void unit_work(const Params& p, int u, Work& w) {
-  const int pairs = p.num_kv_heads * p.chunks;
-  w.seq = u / pairs;
-  const int hc = u - w.seq * pairs;
-  w.kv_head = hc / p.chunks;
-  const int g0 = (hc - w.kv_head * p.chunks) * p.per_chunk;
-  w.heads = min(p.per_chunk, p.group - g0);
-  w.head0 = w.kv_head * p.group + g0;
-  w.split = 0;
-  w.begin = 0;
-}
 
 template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(PersistTiling<T, D, STAGES>::THREADS)
@@ -1315,14 +1312,13 @@ __global__ void __launch_bounds__(PersistTiling<T, D, STAGES>::THREADS)
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     Work w;
     unit_work(p, u, w);
+    w.split = 0;
+    w.begin = 0;
     w.seq_len = max(p.seq_lens[w.seq], 0);
     w.end = w.seq_len;
     w.n_active = 1;
-    if (w.seq_len == 0) {  // a padding row: zeros
-      T* out = static_cast<T*>(p.out) + (int64_t)w.seq * p.out_seq_stride;
-      for (int i = threadIdx.x; i < w.heads * D; i += TL::THREADS) {
-        out[(int64_t)(w.head0 + i / D) * p.out_head_stride + i % D] = Conv<T>::from_float(0.0f);
-      }
+    if (w.seq_len == 0) {
+      zero_output<T, D, TL::THREADS>(p, w);
       continue;
     }
     uint32_t qb[KS][2];
@@ -1519,8 +1515,6 @@ static bool launch_tma_kernel(const Params& p, dim3 grid, const DeviceProps& dev
         if (n > 0) {
           const int units = (int)grid.x;
           const unsigned ctas = (unsigned)min((int64_t)units, (int64_t)n * dev.sms);
-          pt.split_unit = TL::UNIT;
-          pt.single_max = INT_MAX;
           launch_pdl(kernel, dim3(ctas), dim3(PT::THREADS), PT::SMEM_BYTES, s, map_k, map_v, pt, units);
           return true;
         }
