@@ -1229,7 +1229,7 @@ struct PersistTiling {
 };
 
 // CTAs per SM for the packed build: as many as its shared memory allows on a 228 KB SM (+ ~1.3 KB static,
-// 1 KB reserved per CTA); 1 (no packed build) where that is no more than the plain build gets.
+// 1 KB reserved per CTA). 1 (no packed build) for head size 64, whose CTAs shared memory already bounds.
 template <typename T, int D, int STAGES>
 constexpr int packed_ctas() {
   return D == 128 ? 228 * 1024 / (PersistTiling<T, D, STAGES, true>::SMEM_BYTES + 2048) : 1;
@@ -1243,6 +1243,7 @@ struct PersistStages {
   static constexpr int STAGES = cmin(6, cmax(2, (kStageBudget - TL::ACC_BYTES) / TL::STAGE_BYTES));
 };
 
+// PACKED: 1 the plain build, else the packed one with PACKED CTAs per SM (its launch bound).
 template <typename T, int D, int STAGES, int PACKED>
 __global__ void __launch_bounds__(PersistTiling<T, D, STAGES>::THREADS, PACKED > 1 ? PACKED : 0)
     paged_decode_tma_persistent_kernel(const __grid_constant__ CUtensorMap map_k,
@@ -1322,7 +1323,6 @@ __global__ void __launch_bounds__(PersistTiling<T, D, STAGES>::THREADS, PACKED >
   pdl_wait_and_trigger<PDL_ATTENTION>();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int r0 = warp * 16;
-  float* s_acc = reinterpret_cast<float*>(smem + PT::ACC_OFFSET);
   int g = 0;
   for (int u = blockIdx.x; u < units; u += gridDim.x) {
     Work w;
@@ -1359,17 +1359,15 @@ __global__ void __launch_bounds__(PersistTiling<T, D, STAGES>::THREADS, PACKED >
         if (lane == 0) hopper::mbar_arrive(smem_addr(empty + st));
       }
     }
-    if constexpr (PACKED == 1) {
-      acc.store(s_acc, &s_m[0][0], &s_l[0][0], warp, lane);
-      cta_or_named_sync<true, TL::THREADS>();
-      finish<T, D, GQ, TL, true>(p, w, reinterpret_cast<unsigned char*>(s_acc), &s_m[0][0], &s_l[0][0], &s_last);
-    } else {  // the combine in the last tile's stage, once both warps are done reading its K/V
-      const int last = (g - 1) % S;
-      unsigned char* s_last_stage = smem + last * TL::STAGE_BYTES;
-      cta_or_named_sync<true, TL::THREADS>();
-      acc.store(reinterpret_cast<float*>(s_last_stage), &s_m[0][0], &s_l[0][0], warp, lane);
-      cta_or_named_sync<true, TL::THREADS>();
-      finish<T, D, GQ, TL, true>(p, w, s_last_stage, &s_m[0][0], &s_l[0][0], &s_last);
+    // The combine: in its own area, or (packed) in the last tile's stage once both warps are done
+    // reading its K/V, that stage then going back to the producer.
+    const int last = (g - 1) % S;
+    unsigned char* s_acc = smem + (PACKED == 1 ? PT::ACC_OFFSET : last * TL::STAGE_BYTES);
+    if constexpr (PACKED > 1) cta_or_named_sync<true, TL::THREADS>();
+    acc.store(reinterpret_cast<float*>(s_acc), &s_m[0][0], &s_l[0][0], warp, lane);
+    cta_or_named_sync<true, TL::THREADS>();
+    finish<T, D, GQ, TL, true>(p, w, s_acc, &s_m[0][0], &s_l[0][0], &s_last);
+    if constexpr (PACKED > 1) {
       hopper::fence_proxy_async();  // this warp's generic writes before the TMA writes the stage again
       __syncwarp();
       if (lane == 0) hopper::mbar_arrive(smem_addr(empty + last));
@@ -1545,19 +1543,22 @@ static bool launch_tma_kernel(const Params& p, dim3 grid, const DeviceProps& dev
         const int n = resident_ctas(plain, PT::THREADS, PT::SMEM_BYTES, per_sm);
         if (n > 0) {
           const int units = (int)grid.x;
+          auto kernel = plain;
+          int smem = PT::SMEM_BYTES;
+          int64_t slots = (int64_t)n * dev.sms;
           if constexpr (kPacked > 1) {  // more units than the plain grid holds at once: the packed build
             const auto packed = paged_decode_tma_persistent_kernel<T, D, PS, kPacked>;
-            if (units > n * dev.sms && allow_smem(packed, PK::SMEM_BYTES, packed_smem_allowed)) {
+            if (units > slots && allow_smem(packed, PK::SMEM_BYTES, packed_smem_allowed)) {
               const int np = resident_ctas(packed, PK::THREADS, PK::SMEM_BYTES, packed_per_sm);
               if (np > n) {
-                const unsigned ctas = (unsigned)min((int64_t)units, (int64_t)np * dev.sms);
-                launch_pdl(packed, dim3(ctas), dim3(PK::THREADS), PK::SMEM_BYTES, s, map_k, map_v, pt, units);
-                return true;
+                kernel = packed;
+                smem = PK::SMEM_BYTES;
+                slots = (int64_t)np * dev.sms;
               }
             }
           }
-          const unsigned ctas = (unsigned)min((int64_t)units, (int64_t)n * dev.sms);
-          launch_pdl(plain, dim3(ctas), dim3(PT::THREADS), PT::SMEM_BYTES, s, map_k, map_v, pt, units);
+          launch_pdl(kernel, dim3((unsigned)min((int64_t)units, slots)), dim3(PT::THREADS), smem, s, map_k, map_v, pt,
+                     units);
           return true;
         }
       }
