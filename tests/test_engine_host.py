@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_engine import engine_for, make_prompts, tiny
 
@@ -10,10 +11,21 @@ from wllm.engine.llm_engine import LLMEngine
 from wllm.sampling_params import SamplingParams
 
 
+@pytest.mark.parametrize("sms,budget", [(132, 8448), (108, 6912), (114, 7296), (128, 8192), (84, 10752),
+                                        (46, 8832), (1, 8192), (200, 12800), (300, 19200), (0, 8192), (None, 8192)])
+def test_cuda_batched_tokens_default_is_whole_waves_nearest_8192(sms, budget):
+    """On CUDA the default budget is the multiple of 64 rows per SM nearest 8192 (at least one), so a
+    full step's GEMMs fill whole waves; unknown SM counts keep 8192."""
+    assert default_batched_tokens("cuda", sms) == budget
+    if sms:
+        assert budget % (64 * sms) == 0
+
+
 def test_batched_tokens_default_depends_on_device_and_explicit_value_wins(tmp_path_factory):
     torch.manual_seed(0)
     model, _ = tiny("llama", tmp_path_factory)
     assert default_batched_tokens("cuda") == 8192 and default_batched_tokens("cpu") == 2048
+    assert default_batched_tokens("cpu", 132) == 2048
     config = EngineConfig()
     engine = LLMEngine(model, None, config)
     assert engine.scheduler.config.max_num_batched_tokens == 2048  # the tiny model is on the CPU

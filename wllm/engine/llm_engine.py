@@ -141,8 +141,9 @@ class LLMEngine:
         sched = self.config.scheduler
         if sched.max_num_batched_tokens is None:
             # Resolved on a copy: the caller's config object may serve engines on other devices.
-            sched = msgspec.structs.replace(
-                sched, max_num_batched_tokens=default_batched_tokens(model_device(model).type))
+            device = model_device(model)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+            sched = msgspec.structs.replace(sched, max_num_batched_tokens=default_batched_tokens(device.type, sms))
             self.config = msgspec.structs.replace(self.config, scheduler=sched)
         max_len = sched.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         self.runner = ModelRunner(model, self.config.cache, sched.max_num_batched_tokens, dtype,

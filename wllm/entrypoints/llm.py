@@ -36,8 +36,8 @@ class LLM:
         """`model`: an HF folder or hub id, a GGUF file, or a dummy shape name with
         `load_format="dummy"`; None = the embedded default model. `engine_args` are engine
         settings (block_size, kv_cache_memory, num_gpu_blocks, max_num_seqs,
-        max_num_batched_tokens (default 8192 on CUDA, 2048 elsewhere), max_model_len, device, dtype,
-        seed, ...)."""
+        max_num_batched_tokens (default ~8192 on CUDA, in whole GEMM waves: 8448 on an H200; 2048
+        elsewhere), max_model_len, device, dtype, seed, ...)."""
         if model is None:
             from wllm.model.default_model import default_model_path
 

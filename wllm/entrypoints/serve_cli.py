@@ -79,7 +79,8 @@ def register(subparsers: Any) -> None:
                      help="GiB of CPU memory to swap preempted requests to (0: always recompute)")
     eng.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                      help="token budget per engine step (prefill chunks + decode tokens); "
-                          "default 8192 on CUDA, 2048 elsewhere")
+                          "default on CUDA: the multiple of 64 x the GPU's SMs nearest 8192 "
+                          "(8448 on an H100/H200), 2048 elsewhere")
     eng.add_argument("--max-num-seqs", type=_positive_int, default=256, help="most requests running at once")
     eng.add_argument("--max-queue", type=_non_negative_int, default=1024,
                      help="most requests waiting to be scheduled; more get 503 (0: unbounded)")
