@@ -93,6 +93,7 @@ def test_throughput_skip_hf(tiny_shape: Path, tmp_path: Path) -> None:
     assert r.details["output_tok_s"] == pytest.approx(6 * 5 / r.wllm)
     assert r.floor == pytest.approx(max(r.details["floor_compute_s"], r.details["floor_bandwidth_s"]))
     assert r.details["hf_requests"] is None
+    assert r.details["step_budget_tokens"] == 2048  # the engine's resolved default on the CPU
     runs = r.details["runs_s"]  # one batch per run, the median reported
     assert len(runs) == meta["workload"]["runs"] and r.wllm == pytest.approx(sorted(runs)[len(runs) // 2])
 

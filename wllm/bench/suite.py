@@ -178,8 +178,10 @@ def _throughput_one(cfg: BenchConfig, name: str) -> BenchResult:
     nreq, plen, olen = cfg.num_requests, cfg.prompt_len, cfg.output_len
     # The median of `runs` batches: one batch's wall time varies by tens of percent on a shared host
     # (H200, Qwen2.5-0.5B shape: 0.69-1.21 s over five single runs of the same build).
-    walls, load_s = _with_llm(cfg, shape, plen + olen,
-                              lambda llm: wllm_throughput(llm, prompts, nreq, plen, olen, cfg.warmup, cfg.runs))
+    (walls, budget), load_s = _with_llm(
+        cfg, shape, plen + olen,
+        lambda llm: (wllm_throughput(llm, prompts, nreq, plen, olen, cfg.warmup, cfg.runs),
+                     llm.engine.config.scheduler.max_num_batched_tokens))
     wall = statistics.median(walls)
     hf, note, hf_raw, hf_wall, n_hf = None, "", None, None, None
     if not cfg.skip_hf:
@@ -202,7 +204,7 @@ def _throughput_one(cfg: BenchConfig, name: str) -> BenchResult:
         target=floors.target_for("throughput", shape.name, cfg.workload, cfg.engine.dtype),
         details={"output_tok_s": nreq * olen / wall, "total_tok_s": nreq * (plen + olen) / wall,
                  "runs_s": walls, "load_s": load_s, "hf_measured_s": hf_raw, "hf_wall_with_setup_s": hf_wall,
-                 "hf_requests": n_hf,
+                 "hf_requests": n_hf, "step_budget_tokens": budget,
                  "floor_compute_s": floor.compute_s, "floor_bandwidth_s": floor.bandwidth_s},
     )
 
