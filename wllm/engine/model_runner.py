@@ -94,9 +94,9 @@ class ModelRunner:
         self.cpu_cache = allocate_kv_cache(self.num_layers, self.num_cpu_blocks, self.block_size,
                                            self.num_kv_heads, self.head_dim, self.dtype, "cpu", pin_memory=pin)
         self.sampler = Sampler()
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %d CPU swap blocks",
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %d CPU swap blocks; step budget %d tokens",
                     self.num_gpu_blocks, self.block_size, self.num_gpu_blocks * self.block_bytes / 2**20,
-                    self.device, self.num_cpu_blocks)
+                    self.device, self.num_cpu_blocks, max_num_batched_tokens)
         self.cuda_runner = None
         if self.use_cuda_kernels:
             from wllm.engine.cuda_runner import CudaStepRunner
