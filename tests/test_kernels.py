@@ -10,7 +10,7 @@ import torch
 
 from wllm import kernels
 from wllm.engine.cuda_graphs import capture_graph
-from wllm.kernels import _lib, reference
+from wllm.kernels import _lib, ops, reference
 from wllm.kernels.ops import persistent_workspace
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -154,6 +154,37 @@ def test_persistent_workspace_is_made_once_and_not_under_capture(monkeypatch: py
 # ------------------------------------------------------------------------------------------
 # CUDA kernels vs references (GPU machine)
 # ------------------------------------------------------------------------------------------
+
+
+def test_stream_handle_falls_back_to_the_public_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without torch's raw-stream call (CPU builds, a future torch) the handle comes from current_stream."""
+
+    class FakeStream:
+        cuda_stream = 1234
+
+    asked: list[int] = []
+    monkeypatch.setattr(ops, "_RAW_STREAM", None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: asked.append(index) or FakeStream())
+    assert ops._stream_of(3) == 1234 and asked == [3]
+
+
+@pytest.mark.cuda
+def test_stream_handle_is_the_current_stream() -> None:
+    """Kernels launch on the stream torch would use: the default one, a side stream, a capture's stream."""
+    x = torch.zeros(4, device="cuda")
+    assert ops._RAW_STREAM is not None  # CUDA builds of torch have the fast path
+    assert ops._stream(x) == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert ops._stream(x) == side.cuda_stream != torch.cuda.default_stream().cuda_stream
+    seen: list[tuple[int, int]] = []
+
+    def body() -> torch.Tensor:
+        seen.append((ops._stream(x), torch.cuda.current_stream().cuda_stream))
+        return x.add_(1)
+
+    capture_graph(body)  # a warm-up call on a side stream, then the capture
+    assert len(seen) == 2 and all(ours == torchs for ours, torchs in seen)
 
 
 @pytest.mark.cuda
