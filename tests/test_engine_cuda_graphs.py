@@ -1,9 +1,10 @@
-"""The CUDA fast path on a GPU (`-m cuda`): kernel attention, GPU sampling, CUDA-graph decode.
+"""The CUDA fast path on a GPU (`-m cuda`): kernel attention, GPU sampling, CUDA-graph steps.
 
 A tiny float32 Llama with head size 64 (a size the kernels serve): greedy output identical to HF
 and to the CPU engine under staggered arrivals (mixed prefill/decode steps, prefix hits, chunked
-prefill, swap and recompute); graph replay identical to eager; seeded sampling reproducible and
-batch-independent; a Qwen2.5-0.5B-shaped model in bf16 runs 64 graph steps with finite logprobs.
+prefill, swap and recompute); graph replay (decode and short prefill steps) identical to eager;
+seeded sampling reproducible and batch-independent; a Qwen2.5-0.5B-shaped model in bf16 runs 64
+graph steps with finite logprobs.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_gpu_greedy_matches_hf_and_the_cpu_engine(models, name, budget, blocks, 
     cpu_outs = run_staggered(make_engine(cpu, budget=budget, blocks=blocks, cpu_blocks=cpu_blocks), prompts,
                              GREEDY, per_step=4)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cpu_outs]
-    assert runner.num_graph_steps > 0 and runner.num_eager_steps > 0
+    assert runner.num_graph_steps > 0 and runner.num_eager_steps + runner.num_prefill_graph_steps > 0
     stats = engine.stats()
     assert stats["prefix_cache_hits"] > 0
     if blocks == 12:
@@ -84,6 +85,27 @@ def test_graph_replay_identical_to_eager(models):
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert graphs.runner.cuda_runner.num_graph_steps > 0
     assert eager.runner.cuda_runner.num_graph_steps == 0 and not eager.runner.cuda_runner.graphs.sizes
+    assert not eager.runner.cuda_runner.prefill_graphs.keys
+
+
+def test_prefill_graph_replay_identical_to_eager(models):
+    """Short prefill and mixed steps (chunked prompts, prefix hits, decode rows beside prompt chunks)
+    replayed from CUDA graphs give the eager steps' tokens, greedy and seeded."""
+    torch.manual_seed(0)
+    gpu = models["llama"][0]
+    prompts = make_prompts()
+    params = [GREEDY if i % 2 else SamplingParams(temperature=0.9, top_p=0.8, max_tokens=MAX_TOKENS, seed=i,
+                                                  repetition_penalty=1.2, ignore_eos=True) for i in range(16)]
+    outs = []
+    for eager in (False, True):
+        engine = make_engine(gpu, seqs=16, budget=24, eager=eager)
+        outs.append([o.outputs[0].token_ids for o in run_staggered(engine, prompts, params, per_step=2)])
+        runner = engine.runner.cuda_runner
+        assert (runner.num_prefill_graph_steps > 0) is not eager
+        assert_all_free(engine)
+        single = engine.generate(prompts[3:4], params[3])  # one prompt: one prefill-graph step
+        outs.append(single[0].outputs[0].token_ids)
+    assert outs[0] == outs[2] and outs[1] == outs[3]
 
 
 def test_zero_copy_staging_matches_copy_engine_staging(models, monkeypatch):

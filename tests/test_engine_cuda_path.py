@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_engine import GREEDY, assert_all_free, engine_for, make_prompts, reference, run_staggered, tiny
 
-from wllm.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from wllm.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, graph_batch_sizes, prefill_graph_shapes
 from wllm.engine.cuda_runner import CudaStepRunner
 from wllm.engine.gpu_sampler import SamplingBuffers
 from wllm.engine.sampler import Sampler, SamplingRow
@@ -26,26 +26,41 @@ def kernel_engine(model, **kwargs):
     return engine
 
 
-class ReplayedEagerly(DecodeGraphs):
+class _Replayed:
     """Stands in for CUDA graphs on the CPU: "capture" keeps the forward, "replay" runs it on the
     padded persistent buffers, so the padding and static-buffer logic of graph steps is exercised."""
 
-    def capture(self, prepare, forward):
+    def capture(self, prepare, forward, pool=None):
         self._forward = forward
-        for b in reversed(self.sizes):
-            prepare(b)
-            self._graphs[b] = (None, forward(b))
+        for key in reversed(self.keys):
+            prepare(key)
+            self._graphs[key] = (None, forward(key))
 
-    def replay(self, size):
-        return self._forward(size)
+    def replay(self, key):
+        return self._forward(key)
 
 
-def graph_engine(model, **kwargs):
-    engine = kernel_engine(model, **kwargs)
-    runner = engine.runner.cuda_runner
-    runner.graphs = ReplayedEagerly(graph_batch_sizes(kwargs.get("seqs", 256)), runner.device)
+class ReplayedEagerly(_Replayed, DecodeGraphs):
+    """Decode graphs on the CPU (see _Replayed)."""
+
+
+class PrefillReplayedEagerly(_Replayed, PrefillGraphs):
+    """Prefill-step graphs on the CPU (see _Replayed)."""
+
+
+def install_graphs(runner, budget, seqs, prefill=True):
+    """Stand-in decode graphs (and prefill-step graphs) on a CPU runner, captured as the GPU's are."""
+    runner.graphs = ReplayedEagerly(graph_batch_sizes(seqs), runner.device)
+    if prefill:
+        runner.prefill_graphs = PrefillReplayedEagerly(prefill_graph_shapes(budget, seqs), runner.device)
     with torch.inference_mode():
+        runner.prefill_graphs.capture(runner._prepare_padding, runner._graph_forward)
         runner.graphs.capture(runner._prepare_padding, runner._graph_forward)
+
+
+def graph_engine(model, prefill=False, **kwargs):
+    engine = kernel_engine(model, **kwargs)
+    install_graphs(engine.runner.cuda_runner, kwargs.get("budget", 2048), kwargs.get("seqs", 256), prefill)
     return engine
 
 
@@ -65,6 +80,45 @@ def test_padded_graph_steps_match_hf_and_seeded_sampling_is_unchanged(name, tmp_
     padded = graph_engine(model, seqs=8).generate(prompts[:5], params)
     eager = kernel_engine(model, seqs=8).generate(prompts[:5], params)
     assert [o.outputs[0].token_ids for o in padded] == [o.outputs[0].token_ids for o in eager]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_padded_prefill_graph_steps_match_hf_and_eager(name, tmp_path_factory):
+    """Short prefill and mixed steps replayed at a padded (tokens, sequences) shape, every row through the
+    prefill kernel: chunked prompts (chunks that sample nothing), prefix-cache hits, decode rows of mixed
+    steps; greedy matches HF, seeded sampling with penalties and logit_bias matches the eager path."""
+    torch.manual_seed(0)
+    model, hf = tiny(name, tmp_path_factory)
+    prompts = make_prompts(16)
+    engine = graph_engine(model, prefill=True, budget=20, seqs=12)  # prefill shapes 16/32 tokens x 1-8 seqs
+    outs = run_staggered(engine, prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference(name, hf, prompts)
+    runner = engine.runner.cuda_runner
+    assert runner.num_prefill_graph_steps > 0 and runner.num_graph_steps > 0 and runner.num_eager_steps > 0
+    assert_all_free(engine)
+    again = run_staggered(engine, prompts, GREEDY, per_step=1)  # now every prompt hits the prefix cache
+    assert [o.outputs[0].token_ids for o in again] == reference(name, hf, prompts)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=i, ignore_eos=True,
+                             logit_bias={7: 0.5} if i % 2 else None, repetition_penalty=1.3 if i % 3 else 1.0,
+                             presence_penalty=0.5 if i == 4 else 0.0) for i in range(5)]
+    graphed = graph_engine(model, prefill=True, seqs=8)
+    padded = graphed.generate(prompts[:5], params)
+    eager = kernel_engine(model, seqs=8).generate(prompts[:5], params)
+    assert [o.outputs[0].token_ids for o in padded] == [o.outputs[0].token_ids for o in eager]
+    assert graphed.runner.cuda_runner.num_prefill_graph_steps > 0
+
+
+def test_prefill_graph_shapes_cover_the_budget_and_stop_there():
+    full = prefill_graph_shapes(8448, 256)
+    assert full == [(t, s) for t in (16, 32, 64, 128, 256, 512) for s in (1, 2, 4, 8)]
+    assert prefill_graph_shapes(40, 12) == [(t, s) for t in (16, 32, 64) for s in (1, 2, 4, 8)]
+    assert prefill_graph_shapes(7, 1) == [(16, 1)]
+    assert prefill_graph_shapes(512, 3) == [(t, s) for t in (16, 32, 64, 128, 256, 512) for s in (1, 2, 4)]
+    graphs = PrefillReplayedEagerly(prefill_graph_shapes(40, 12), torch.device("cpu"))
+    graphs.capture(lambda key: None, lambda key: key)
+    assert graphs.padded_shape(17, 3) == (32, 4) and graphs.padded_shape(64, 8) == (64, 8)
+    assert graphs.padded_shape(65, 1) is None and graphs.padded_shape(3, 9) is None
+    assert graphs.replay((32, 4)) == (32, 4)
 
 
 @pytest.mark.parametrize(("name", "budget", "caching"), [("llama", 5, True), ("llama", 2048, False),

@@ -13,10 +13,9 @@ import pytest
 import torch
 from model_utils import VOCAB, tiny_hf_model
 from test_engine import CharTokenizer, assert_all_free, make_prompts, poisoned_forward, run_staggered, tiny
-from test_engine_cuda_path import ReplayedEagerly
+from test_engine_cuda_path import install_graphs
 
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from wllm.engine.cuda_graphs import graph_batch_sizes
 from wllm.engine.cuda_runner import CudaStepRunner
 from wllm.engine.llm_engine import LLMEngine
 from wllm.model.loader import load_model
@@ -59,9 +58,7 @@ def make(request, tmp_path_factory):
         runner = CudaStepRunner(model, engine.runner.kv_cache, max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 max_model_len=engine.max_model_len, enforce_eager=True)
         if kind == "cpu-graphs":
-            runner.graphs = ReplayedEagerly(graph_batch_sizes(seqs), runner.device)
-            with torch.inference_mode():
-                runner.graphs.capture(runner._prepare_padding, runner._graph_forward)
+            install_graphs(runner, budget, seqs)
         engine.runner.cuda_runner = runner
         return engine
 

@@ -1,26 +1,39 @@
-"""CUDA graphs for pure-decode steps: the whole forward pass and sampling, replayed per step.
+"""CUDA graphs of whole steps: the forward pass and sampling, replayed per step.
 
 A decode step of S sequences is padded to the next captured batch size (1, 2, 4, 8, then
 multiples of 8 up to max_num_seqs); padding rows write their K/V to slot -1 (skipped) and have a
 context length of 0 (zero attention output), and are greedy, so they cost a little compute and
-nothing else. Graphs are captured at start-up, largest first, into one shared memory pool: a
-capture frees its intermediates back to the pool, so each smaller graph reuses them and the pool
-is about the size of the largest batch's activations. Replay reads its inputs from the runner's
-persistent device buffers, which the runner fills before each replay.
+nothing else. Short prefill and mixed steps (up to PREFILL_GRAPH_MAX_TOKENS tokens of up to
+PREFILL_GRAPH_MAX_SEQS sequences) are padded the same way to a captured (tokens, sequences) shape
+and run every row through the prefill kernel: eagerly, such a step costs the host more time than
+the GPU (~0.25 ms of Python and launches per layer), so a slow or busy host CPU set its speed.
+Graphs are captured at start-up, largest first, into one shared memory pool: a capture frees its
+intermediates back to the pool, so each smaller graph reuses them and the pool is about the size
+of the largest step's activations. Replay reads its inputs from the runner's persistent device
+buffers, which the runner fills before each replay.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+# Prefill/mixed steps captured: token counts 16, 32, ..., PREFILL_GRAPH_MAX_TOKENS (powers of two) by
+# sequence counts 1, 2, 4, 8. Larger steps keep the GPU busy longer than the host needs to launch them.
+# WLLM_PREFILL_GRAPHS=0 runs them eagerly (A/B runs); --enforce-eager turns every graph off.
+PREFILL_GRAPH_MAX_TOKENS = 512
+PREFILL_GRAPH_MAX_SEQS = 8
+PREFILL_GRAPHS = os.environ.get("WLLM_PREFILL_GRAPHS", "1") != "0"
 
 # fp64 [2, B]: row 0 the sampled token ids (exact in fp64), row 1 their logprobs. One tensor, so a
 # replayed step comes back to the host in one copy.
@@ -55,15 +68,66 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class DecodeGraphs:
-    """One CUDA graph per padded decode batch size, all in one memory pool."""
+def prefill_graph_shapes(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """Captured (tokens, sequences) shapes of prefill/mixed steps: token counts from 16 in powers of two up
+    to PREFILL_GRAPH_MAX_TOKENS, sequence counts 1, 2, 4, 8, each list cut after its first entry that
+    holds the step budget (resp. max_num_seqs), as no step can be larger."""
+    tokens = [t for t in (16 << i for i in range(32)) if t <= PREFILL_GRAPH_MAX_TOKENS]
+    seqs = [s for s in (1, 2, 4, 8) if s <= PREFILL_GRAPH_MAX_SEQS]
 
-    def __init__(self, sizes: list[int], device: torch.device) -> None:
-        self.sizes = sorted(sizes)
+    def cut(sizes: list[int], limit: int) -> list[int]:
+        return [x for i, x in enumerate(sizes) if i == 0 or sizes[i - 1] < limit]
+
+    return [(t, s) for t in cut(tokens, max_num_batched_tokens) for s in cut(seqs, max_num_seqs) if s <= t]
+
+
+class StepGraphs(Generic[K]):
+    """One CUDA graph per padded step shape (key), captured into a memory pool."""
+
+    what = "steps"
+
+    def __init__(self, keys: list[K], device: torch.device) -> None:
+        self.keys = sorted(keys)
         self.device = device
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
+        self._graphs: dict[K, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
+
+    def capture(self, prepare: Callable[[K], None], forward: Callable[[K], GraphOutputs],
+                pool: Any = None) -> None:
+        """Capture `forward(key)` for every key, largest first, into `pool` (a new one when None).
+        `prepare(key)` fills the input buffers with padding rows (launched on the current stream)
+        before the warm-up run and capture."""
+        if not self.keys:
+            return
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        for key in reversed(self.keys):
+            prepare(key)
+            self._graphs[key] = capture_graph(lambda key=key: forward(key), pool=pool, device=self.device)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
+        logger.info("captured %d CUDA graphs for %s in %.2f s, using %.1f MiB", len(self._graphs), self.what,
+                    self.capture_seconds, self.capture_bytes / 2**20)
+
+    def replay(self, key: K) -> GraphOutputs:
+        """Replay the graph of a captured shape on the current stream; returns its static outputs
+        (valid until the next replay of any graph)."""
+        graph, outputs = self._graphs[key]
+        graph.replay()
+        return outputs
+
+
+class DecodeGraphs(StepGraphs[int]):
+    """One CUDA graph per padded decode batch size."""
+
+    def __init__(self, sizes: list[int], device: torch.device) -> None:
+        super().__init__(sizes, device)
+        self.sizes = self.keys
+        self.what = f"decode batches of 1..{self.max_size} sequences"
 
     @property
     def max_size(self) -> int:
@@ -76,27 +140,22 @@ class DecodeGraphs:
             return None
         return self.sizes[i]
 
-    def capture(self, prepare: Callable[[int], None], forward: Callable[[int], GraphOutputs]) -> None:
-        """Capture `forward(b)` for every size, largest first. `prepare(b)` fills the input buffers
-        with b padding rows (launched on the current stream) before the warm-up run and capture."""
-        if not self.sizes:
-            return
-        torch.cuda.synchronize(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):
-            prepare(b)
-            self._graphs[b] = capture_graph(lambda b=b: forward(b), pool=pool, device=self.device)
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
-        logger.info("captured %d CUDA graphs for decode batches of 1..%d sequences in %.2f s, using %.1f MiB",
-                    len(self._graphs), self.max_size, self.capture_seconds, self.capture_bytes / 2**20)
 
-    def replay(self, size: int) -> GraphOutputs:
-        """Replay the graph of a captured size on the current stream; returns its static outputs
-        (valid until the next replay of any graph)."""
-        graph, outputs = self._graphs[size]
-        graph.replay()
-        return outputs
+class PrefillGraphs(StepGraphs[tuple[int, int]]):
+    """One CUDA graph per padded (tokens, sequences) shape of short prefill and mixed steps."""
+
+    def __init__(self, shapes: list[tuple[int, int]], device: torch.device) -> None:
+        super().__init__(shapes, device)
+        self.tokens = sorted({t for t, _ in self.keys})
+        self.seqs = sorted({s for _, s in self.keys})
+        most = (self.tokens[-1], self.seqs[-1]) if self.keys else (0, 0)
+        self.what = f"prefill steps of up to {most[0]} tokens and {most[1]} sequences"
+
+    def padded_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        """The smallest captured (tokens, sequences) holding the step (None: none does, run eagerly)."""
+        i = bisect.bisect_left(self.tokens, num_tokens)
+        j = bisect.bisect_left(self.seqs, num_seqs)
+        if i == len(self.tokens) or j == len(self.seqs):
+            return None
+        key = (self.tokens[i], self.seqs[j])
+        return key if key in self._graphs else None

@@ -4,8 +4,9 @@ Every input of a step (token ids, positions, slot mapping, block tables, context
 offsets, rows to compute logits for, sampling parameters) is written into pinned host buffers
 allocated once, and copied to device buffers allocated once with asynchronous copies. A step
 that only decodes (one new token and one sample per sequence, no logprobs asked, at most the
-largest captured batch) replays a CUDA graph of the forward pass plus the sampling kernel; any
-other step runs eagerly through the same kernels. The sampled token ids and their logprobs (plus
+largest captured batch) replays a CUDA graph of the forward pass plus the sampling kernel, and so
+does a short prefill or mixed step (up to 512 tokens of up to 8 sequences, at most one sample
+each, no logprobs); any other step runs eagerly through the same kernels. The sampled token ids and their logprobs (plus
 the logprob matrices when a request asked for them) come back in one device-to-host sync.
 """
 
@@ -20,7 +21,14 @@ import torch
 from torch import nn
 
 from wllm.engine.cuda_attention import CudaAttentionContext, layer_caches
-from wllm.engine.cuda_graphs import DecodeGraphs, GraphOutputs, graph_batch_sizes
+from wllm.engine.cuda_graphs import (
+    PREFILL_GRAPHS,
+    DecodeGraphs,
+    GraphOutputs,
+    PrefillGraphs,
+    graph_batch_sizes,
+    prefill_graph_shapes,
+)
 from wllm.engine.gpu_sampler import SamplingBuffers, StagedBuffer, logprob_matrix, step_logprobs_from_row
 from wllm.engine.sampler import SampledToken, SamplingRow
 from wllm.engine.scheduler import SchedulerOutput, SeqResult, decode_first_order
@@ -205,8 +213,11 @@ class CudaStepRunner:
         # are no graphs and no pinned memory.
         sizes = [] if enforce_eager or not on_cuda else graph_batch_sizes(max_num_seqs)
         self.graphs = DecodeGraphs(sizes, self.device)
-        # Room for the largest graph size even when graphs are off (tests swap in stand-in graphs).
-        capacity = max(max_num_batched_tokens, graph_batch_sizes(max_num_seqs)[-1], max_num_seqs)
+        shapes = prefill_graph_shapes(max_num_batched_tokens, max_num_seqs)
+        self.prefill_graphs = PrefillGraphs(shapes if sizes and PREFILL_GRAPHS else [], self.device)
+        # Room for the largest graph shapes even when graphs are off (tests swap in stand-in graphs).
+        capacity = max(max_num_batched_tokens, graph_batch_sizes(max_num_seqs)[-1], max_num_seqs,
+                       max(t for t, _ in shapes))
         self.inputs = StepInputs(capacity, max_blocks, 2 * capacity, self.device)
         self.sampling = SamplingBuffers(2 * capacity, config.vocab_size, self.device)
         pin = on_cuda
@@ -225,30 +236,52 @@ class CudaStepRunner:
         # Decode-sized steps move their inputs and sampled ids with a small kernel instead of copy-engine
         # transfers (each leaves the GPU idle ~9 us on both sides, per step), where pinned memory is mapped.
         self._zero_copy = on_cuda and ZERO_COPY_STAGING and host_mapped(self.inputs.stage.host)
-        self.num_graph_steps = 0
+        self.num_graph_steps = 0  # decode steps replayed
+        self.num_prefill_graph_steps = 0
         self.num_eager_steps = 0
         self.num_lookahead_steps = 0  # steps launched before the previous step's tokens reached the host
         if sizes:
             with torch.inference_mode():
-                self.graphs.capture(self._prepare_padding, self._graph_forward)
+                # One pool, the graphs with the most rows first: the others reuse its memory.
+                pool = torch.cuda.graph_pool_handle()
+                prefill_first = self.prefill_graphs.keys and self.prefill_graphs.keys[-1][0] >= self.graphs.max_size
+                for graphs in ((self.prefill_graphs, self.graphs) if prefill_first else
+                               (self.graphs, self.prefill_graphs)):
+                    graphs.capture(self._prepare_padding, self._graph_forward, pool)
 
     # ------------------------------------------------------------------------------------- graphs
-    def _prepare_padding(self, batch: int) -> None:
-        """Inputs of `batch` padding rows: slot -1, no context, greedy sampling, no CSR entries."""
-        layout = self.inputs.layout(batch, batch, batch)
-        layout.np["block_tables"][:] = 0
-        self.inputs.fill(layout, SchedulerOutput([], [], [], [], 0), self.block_size, batch, batch)
-        self.sampling.pack([], batch, full_csr=True, stage=_stage(layout))
-        layout.upload()
+    @staticmethod
+    def _graph_shape(key: int | tuple[int, int]) -> tuple[int, int]:
+        """(tokens, sequences) of a graph key: a decode batch size b is (b, b)."""
+        return (key, key) if isinstance(key, int) else key
 
-    def _graph_forward(self, batch: int) -> GraphOutputs:
-        d = self.inputs.layout(batch, batch, batch).dev
+    def _prepare_padding(self, key: int | tuple[int, int]) -> None:
+        """Inputs of a graph's shape, all padding: slot -1, no context, greedy sampling, no CSR
+        entries, logits of token 0."""
+        tokens, seqs = self._graph_shape(key)
+        layout = self.inputs.layout(tokens, seqs, seqs)
+        layout.np["block_tables"][:] = 0
+        self.inputs.fill(layout, SchedulerOutput([], [], [], [], 0), self.block_size, seqs, tokens)
+        self.sampling.pack([], seqs, full_csr=True, stage=_stage(layout))
+        layout.upload()
+        if tokens != seqs:
+            self.inputs.logit_rows.np[:seqs] = 0
+            self.inputs.logit_rows.upload(seqs)
+
+    def _graph_forward(self, key: int | tuple[int, int]) -> GraphOutputs:
+        """The captured step: decode batches (key b) through the decode kernel, every token's logits;
+        prefill shapes (key (tokens, seqs)) through the prefill kernel, the logits of the staged rows."""
+        tokens, seqs = self._graph_shape(key)
+        decode = tokens == seqs
+        d = self.inputs.layout(tokens, seqs, seqs).dev
         ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
-                                   decode=True, max_seq_len=self.max_seq_len, workspace=self.workspace)
+                                   decode=decode, max_seq_len=self.max_seq_len, workspace=self.workspace)
         hidden = self.model(d["input_ids"], d["positions"], ctx)
+        if not decode:
+            hidden = hidden.index_select(0, self.inputs.logit_rows.dev[:seqs])
         logits = self.model.compute_logits(hidden)
-        tokens, logprobs, _ = sample(logits, **self.sampling.static_kwargs(batch, d["params_f32"], d["params_i64"]))
-        return torch.stack((tokens.double(), logprobs.double()))
+        sampled, logprobs, _ = sample(logits, **self.sampling.static_kwargs(seqs, d["params_f32"], d["params_i64"]))
+        return torch.stack((sampled.double(), logprobs.double()))
 
     # --------------------------------------------------------------------------------------- step
     def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
@@ -300,12 +333,12 @@ class CudaStepRunner:
             src_rows, dst_tokens, per_seq = prev_rows, list(range(len(seqs))), False
         t = 0
         one_token = True  # every sequence has one new token: the decode kernel serves the step
-        graphable = True  # ... and samples once, without prompt logprobs: a graph can replay it
+        graphable = True  # each sequence samples at most once, without prompt logprobs: a graph can replay it
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             if n != 1:
-                one_token = graphable = False
-            if s.num_samples != 1 or s.prompt_logprob_targets:
+                one_token = False
+            if s.num_samples > 1 or s.prompt_logprob_targets:
                 graphable = False
             if s.prompt_logprob_targets:
                 first = t + s.prompt_logprob_start - s.start_pos
@@ -339,22 +372,39 @@ class CudaStepRunner:
         self._parity ^= 1
         pending = PendingStep(out, rows, owners, want_logprobs)
 
-        padded = self.graphs.padded_size(num_seqs) if graphable and not want_logprobs else None
-        if padded is not None:
-            layout = self.inputs.layout(padded, padded, padded)
-            sampling, static = self.sampling.pack(rows, padded, full_csr=True, stage=_stage(layout), ahead=row_ahead)
+        # A graph of the step's padded shape: (b, b) for a decode batch of b, else (tokens, sequences).
+        key: int | tuple[int, int] | None = None
+        if graphable and not want_logprobs:
+            if one_token and len(rows) == num_seqs:
+                key = self.graphs.padded_size(num_seqs)
+            elif not one_token:
+                key = self.prefill_graphs.padded_shape(t, num_seqs)
+        if key is not None:
+            tokens_pad, seqs_pad = self._graph_shape(key)
+            layout = self.inputs.layout(tokens_pad, seqs_pad, seqs_pad)
+            sampling, static = self.sampling.pack(rows, seqs_pad, full_csr=True, stage=_stage(layout),
+                                                  ahead=row_ahead)
             if not static:
-                padded = None
-        if padded is not None:
-            self.inputs.fill(layout, out, self.block_size, padded, padded)
-            self._upload(layout, lookahead, prev, pending, parity)
-            packed = self.graphs.replay(padded)
-            self.num_graph_steps += 1
+                key = None
+        if key is not None:
+            self.inputs.fill(layout, out, self.block_size, seqs_pad, tokens_pad)
+            staged_rows = 0
+            if not one_token:  # the sampled rows' hidden states, padding rows reading token 0
+                self.inputs.logit_rows.np[:len(rows)] = sample_hidden_rows
+                self.inputs.logit_rows.np[len(rows):seqs_pad] = 0
+                staged_rows = seqs_pad
+            self._upload(layout, lookahead, prev, pending, parity, staged_rows)
+            if one_token:
+                packed = self.graphs.replay(key)
+                self.num_graph_steps += 1
+            else:
+                packed = self.prefill_graphs.replay(key)
+                self.num_prefill_graph_steps += 1
             # The step's one device-to-host copy: ids and logprobs in one fp64 matrix.
-            found = self._host_graph_out.get((padded, parity))
+            found = self._host_graph_out.get((seqs_pad, parity))
             if found is None:
-                buf = torch.empty((2, padded), dtype=torch.float64, pin_memory=on_cuda)
-                found = self._host_graph_out[(padded, parity)] = (buf, self._zero_copy and host_mapped(buf))
+                buf = torch.empty((2, seqs_pad), dtype=torch.float64, pin_memory=on_cuda)
+                found = self._host_graph_out[(seqs_pad, parity)] = (buf, self._zero_copy and host_mapped(buf))
             host, mapped = found
             if mapped:
                 stage_copy(host, packed)
@@ -459,7 +509,7 @@ class CudaStepRunner:
         if pending.done is not None:
             pending.done.synchronize()
         if pending.host_packed is not None:
-            n = len(pending.out.seqs)
+            n = len(pending.rows)
             ids, lps = pending.host_packed.tolist()
             return self._results(pending.out, pending.rows, pending.owners, [int(x) for x in ids[:n]], lps[:n],
                                  [], None, None)
