@@ -101,7 +101,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"  # "auto" -> cuda when available, else cpu
     dtype: str = "auto"  # "auto" -> the model's dtype
     seed: int = 0  # seeds the random stream of requests that give no seed
-    enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs for decode steps)
+    enforce_eager: bool = False  # CUDA: run every step eagerly (no CUDA graphs)
     # Kernel (CUDA) path: while a pure decode step runs on the device, launch the next one before
     # processing the first one's tokens, so the GPU does not wait for the host (see llm_engine.py).
     # Outputs are identical with it on or off; the PyTorch path (CPU engines) always runs in step.

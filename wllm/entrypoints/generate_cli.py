@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV cache bytes on the CPU")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: run every step eagerly (no CUDA graphs)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="CUDA: finish each decode step on the host before launching the next")
     p.add_argument("--no-stream", action="store_true", help="print the answer only when it is complete")

@@ -87,7 +87,7 @@ def register(subparsers: Any) -> None:
     eng.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                      help="serve by arrival, or by the request's `priority` (lower first)")
     eng.add_argument("--enforce-eager", action="store_true",
-                     help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
+                     help="CUDA: run every step eagerly (no CUDA graphs)")
     eng.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                      help="CUDA: finish each decode step on the host before launching the next "
                           "(default: launch the next step first, so the GPU does not wait for the host)")
