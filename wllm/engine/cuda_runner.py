@@ -6,8 +6,9 @@ allocated once, and copied to device buffers allocated once with asynchronous co
 that only decodes (one new token and one sample per sequence, no logprobs asked, at most the
 largest captured batch) replays a CUDA graph of the forward pass plus the sampling kernel, and so
 does a short prefill or mixed step (up to 512 tokens of up to 8 sequences, at most one sample
-each, no logprobs); any other step runs eagerly through the same kernels. The sampled token ids and their logprobs (plus
-the logprob matrices when a request asked for them) come back in one device-to-host sync.
+each, no logprobs); any other step runs eagerly through the same kernels. The sampled token ids
+and their logprobs (plus the logprob matrices when a request asked for them) come back in one
+device-to-host sync.
 """
 
 from __future__ import annotations
@@ -244,8 +245,8 @@ class CudaStepRunner:
             with torch.inference_mode():
                 # One pool, the graphs with the most rows first: the others reuse its memory.
                 pool = torch.cuda.graph_pool_handle()
-                prefill_first = self.prefill_graphs.keys and self.prefill_graphs.keys[-1][0] >= self.graphs.max_size
-                for graphs in ((self.prefill_graphs, self.graphs) if prefill_first else
+                most_tokens = self.prefill_graphs.keys[-1][0] if self.prefill_graphs.keys else 0
+                for graphs in ((self.prefill_graphs, self.graphs) if most_tokens >= self.graphs.max_size else
                                (self.graphs, self.prefill_graphs)):
                     graphs.capture(self._prepare_padding, self._graph_forward, pool)
 
@@ -264,7 +265,7 @@ class CudaStepRunner:
         self.inputs.fill(layout, SchedulerOutput([], [], [], [], 0), self.block_size, seqs, tokens)
         self.sampling.pack([], seqs, full_csr=True, stage=_stage(layout))
         layout.upload()
-        if tokens != seqs:
+        if not isinstance(key, int):
             self.inputs.logit_rows.np[:seqs] = 0
             self.inputs.logit_rows.upload(seqs)
 
@@ -272,7 +273,7 @@ class CudaStepRunner:
         """The captured step: decode batches (key b) through the decode kernel, every token's logits;
         prefill shapes (key (tokens, seqs)) through the prefill kernel, the logits of the staged rows."""
         tokens, seqs = self._graph_shape(key)
-        decode = tokens == seqs
+        decode = isinstance(key, int)
         d = self.inputs.layout(tokens, seqs, seqs).dev
         ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
                                    decode=decode, max_seq_len=self.max_seq_len, workspace=self.workspace)
