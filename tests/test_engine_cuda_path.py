@@ -281,3 +281,23 @@ def test_enforce_eager_flag_on_serve_and_generate():
     assert not parser.parse_args(["serve"]).enforce_eager
     assert parser.parse_args(["generate", "hi", "--enforce-eager"]).enforce_eager
     assert not parser.parse_args(["generate", "hi"]).enforce_eager
+
+
+def test_prefill_graphs_leave_forks_and_logprob_steps_eager(tmp_path_factory):
+    """With prefill-step graphs installed, a prompt forking n > 1 sequences and one asking for (prompt)
+    logprobs still run their prefill eagerly and give what the eager path gives; a plain one is graphed."""
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    prompt = make_prompts()[1]
+    cases = [SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=7, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)]
+    for i, params in enumerate(cases):
+        graphed = graph_engine(model, prefill=True, seqs=8, caching=False)
+        (got,) = graphed.generate([prompt], params)
+        (want,) = kernel_engine(model, seqs=8, caching=False).generate([prompt], params)
+        assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+        assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
+        assert (graphed.runner.cuda_runner.num_prefill_graph_steps > 0) == (i == len(cases) - 1)
+        assert_all_free(graphed)
