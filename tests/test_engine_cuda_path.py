@@ -301,3 +301,22 @@ def test_prefill_graphs_leave_forks_and_logprob_steps_eager(tmp_path_factory):
         assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
         assert (graphed.runner.cuda_runner.num_prefill_graph_steps > 0) == (i == len(cases) - 1)
         assert_all_free(graphed)
+
+
+def test_mixed_steps_with_long_decode_contexts_stay_eager(monkeypatch, tmp_path_factory):
+    """Decode rows beyond PREFILL_GRAPH_MAX_DECODE_CONTEXT keep a mixed step eager (the decode kernel's
+    split-KV serves them there); pure prefill steps are graphed either way, outputs unchanged."""
+    from wllm.engine import cuda_runner as runner_module
+
+    torch.manual_seed(0)
+    model, hf = tiny("llama", tmp_path_factory)
+    prompts = make_prompts(16)
+    counts = {}
+    default = runner_module.PREFILL_GRAPH_MAX_DECODE_CONTEXT
+    for limit in (default, 0):
+        monkeypatch.setattr(runner_module, "PREFILL_GRAPH_MAX_DECODE_CONTEXT", limit)
+        engine = graph_engine(model, prefill=True, budget=20, seqs=12)
+        outs = run_staggered(engine, prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference("llama", hf, prompts)
+        counts[limit] = engine.runner.cuda_runner.num_prefill_graph_steps
+    assert 0 < counts[0] < counts[default]  # limit 0: only the steps without decode rows

@@ -33,6 +33,10 @@ K = TypeVar("K", bound=Hashable)
 # WLLM_PREFILL_GRAPHS=0 runs them eagerly (A/B runs); --enforce-eager turns every graph off.
 PREFILL_GRAPH_MAX_TOKENS = 512
 PREFILL_GRAPH_MAX_SEQS = 8
+# A mixed step's decode rows take the prefill kernel in a graph, which gives each (sequence, KV head) one
+# thread block and no split-KV: fine for short contexts, slower than the decode kernel's splits for long
+# ones. Mixed steps whose decode rows reach further than this run eagerly. A cautious bound, not measured.
+PREFILL_GRAPH_MAX_DECODE_CONTEXT = 2048
 PREFILL_GRAPHS = os.environ.get("WLLM_PREFILL_GRAPHS", "1") != "0"
 
 # fp64 [2, B]: row 0 the sampled token ids (exact in fp64), row 1 their logprobs. One tensor, so a

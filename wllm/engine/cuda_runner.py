@@ -23,6 +23,7 @@ from torch import nn
 
 from wllm.engine.cuda_attention import CudaAttentionContext, layer_caches
 from wllm.engine.cuda_graphs import (
+    PREFILL_GRAPH_MAX_DECODE_CONTEXT,
     PREFILL_GRAPHS,
     DecodeGraphs,
     GraphOutputs,
@@ -335,10 +336,13 @@ class CudaStepRunner:
         t = 0
         one_token = True  # every sequence has one new token: the decode kernel serves the step
         graphable = True  # each sequence samples at most once, without prompt logprobs: a graph can replay it
+        decode_context = 0  # the longest context of a single-token row
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             if n != 1:
                 one_token = False
+            elif s.start_pos >= decode_context:
+                decode_context = s.start_pos + 1
             if s.num_samples > 1 or s.prompt_logprob_targets:
                 graphable = False
             if s.prompt_logprob_targets:
@@ -378,7 +382,7 @@ class CudaStepRunner:
         if graphable and not want_logprobs:
             if one_token and len(rows) == num_seqs:
                 key = self.graphs.padded_size(num_seqs)
-            elif not one_token:
+            elif not one_token and decode_context <= PREFILL_GRAPH_MAX_DECODE_CONTEXT:
                 key = self.prefill_graphs.padded_shape(t, num_seqs)
         if key is not None:
             tokens_pad, seqs_pad = self._graph_shape(key)
