@@ -130,8 +130,12 @@ class DecodeGraphs(StepGraphs[int]):
 
     def __init__(self, sizes: list[int], device: torch.device) -> None:
         super().__init__(sizes, device)
-        self.sizes = self.keys
         self.what = f"decode batches of 1..{self.max_size} sequences"
+
+    @property
+    def sizes(self) -> list[int]:
+        """The captured batch sizes, ascending."""
+        return self.keys
 
     @property
     def max_size(self) -> int:

@@ -336,13 +336,10 @@ class CudaStepRunner:
         t = 0
         one_token = True  # every sequence has one new token: the decode kernel serves the step
         graphable = True  # each sequence samples at most once, without prompt logprobs: a graph can replay it
-        decode_context = 0  # the longest context of a single-token row
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             if n != 1:
                 one_token = False
-            elif s.start_pos >= decode_context:
-                decode_context = s.start_pos + 1
             if s.num_samples > 1 or s.prompt_logprob_targets:
                 graphable = False
             if s.prompt_logprob_targets:
@@ -382,8 +379,12 @@ class CudaStepRunner:
         if graphable and not want_logprobs:
             if one_token and len(rows) == num_seqs:
                 key = self.graphs.padded_size(num_seqs)
-            elif not one_token and decode_context <= PREFILL_GRAPH_MAX_DECODE_CONTEXT:
+            elif not one_token:
                 key = self.prefill_graphs.padded_shape(t, num_seqs)
+                # A mixed step's decode rows (first after the reorder above) with long contexts: the eager
+                # step's decode kernel splits them, the graph's prefill kernel would not.
+                if key is not None and any(s.start_pos >= PREFILL_GRAPH_MAX_DECODE_CONTEXT for s in seqs[:num_decode]):
+                    key = None
         if key is not None:
             tokens_pad, seqs_pad = self._graph_shape(key)
             layout = self.inputs.layout(tokens_pad, seqs_pad, seqs_pad)
