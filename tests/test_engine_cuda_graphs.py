@@ -108,6 +108,47 @@ def test_prefill_graph_replay_identical_to_eager(models):
     assert outs[0] == outs[2] and outs[1] == outs[3]
 
 
+def test_mixed_graph_steps_with_long_decode_contexts_identical_to_eager(tmp_path_factory):
+    """Mixed steps whose decode rows have long contexts (up to ~4,500 tokens: the decode kernel splits them)
+    and mixed steps of more than 8 sequences replay from prefill graphs and give the eager steps' tokens;
+    the long prompts' 512-token chunks replay too."""
+    torch.manual_seed(0)
+    hf = tiny_hf_model("llama", **SHAPES["llama"], max_position_embeddings=8192)
+    path = tmp_path_factory.mktemp("llama_long")
+    hf.save_pretrained(path)
+    gpu = load_model(path, dtype="float32", device="cuda").model
+    g = torch.Generator().manual_seed(1)
+    vocab = hf.config.vocab_size
+    long = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (4500, 3001, 2500)]
+    short = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in range(20, 140, 12)]
+    prompts = long + short
+    params = [SamplingParams(temperature=0.0, max_tokens=40 if i < 3 else 6, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = []
+    for eager in (False, True):
+        engine = make_engine(gpu, seqs=16, budget=512, blocks=1024, block_size=16, eager=eager)
+        runner = engine.runner.cuda_runner
+        for i in range(3):
+            engine.add_request(str(i), prompts[i], params[i])
+        final = {}
+        next_short = 3
+        while len(final) < len(prompts):
+            # Once every long prompt is decoding, one short prompt arrives per step: mixed steps of the long
+            # decode rows, the earlier short prompts' decode rows (up to ~10 sequences) and a new prompt.
+            groups = engine.scheduler.groups
+            longs_decoding = all(str(i) not in groups or not groups[str(i)].seqs[0].is_prefilling for i in range(3))
+            if longs_decoding and next_short < len(prompts):
+                engine.add_request(str(next_short), prompts[next_short], params[next_short])
+                next_short += 1
+            for out in engine.step():
+                if out.finished:
+                    final[int(out.request_id)] = out.outputs[0].token_ids
+        outs.append([final[i] for i in range(len(prompts))])
+        assert (runner.num_prefill_graph_steps > 0) is not eager
+        assert_all_free(engine)
+    assert outs[0] == outs[1]
+
+
 def test_zero_copy_staging_matches_copy_engine_staging(models, monkeypatch):
     """Decode steps staged by the small kernel that reads pinned memory in place (and writes the sampled ids
     back the same way) give the same tokens as copy-engine staging, with lookahead steps (input ids from the
@@ -126,7 +167,8 @@ def test_zero_copy_staging_matches_copy_engine_staging(models, monkeypatch):
         runner = engine.runner.cuda_runner
         assert runner._zero_copy is zero_copy
         outs[zero_copy] = [o.outputs[0].token_ids for o in run_staggered(engine, prompts, params, per_step=4)]
-        assert runner.num_graph_steps > 0 and runner.num_lookahead_steps > 0 and runner.num_eager_steps > 0
+        assert runner.num_graph_steps > 0 and runner.num_lookahead_steps > 0
+        assert runner.num_eager_steps + runner.num_prefill_graph_steps > 0
         assert_all_free(engine)
     assert outs[True] == outs[False]
 

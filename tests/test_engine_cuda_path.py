@@ -84,17 +84,19 @@ def test_padded_graph_steps_match_hf_and_seeded_sampling_is_unchanged(name, tmp_
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_padded_prefill_graph_steps_match_hf_and_eager(name, tmp_path_factory):
-    """Short prefill and mixed steps replayed at a padded (tokens, sequences) shape, every row through the
-    prefill kernel: chunked prompts (chunks that sample nothing), prefix-cache hits, decode rows of mixed
-    steps; greedy matches HF, seeded sampling with penalties and logit_bias matches the eager path."""
+    """Short prefill and mixed steps replayed at a padded (tokens, sequences) shape, decode rows through the
+    decode kernel and prompt rows through the prefill kernel: chunked prompts (chunks that sample nothing),
+    prefix-cache hits, mixed steps of up to 12 sequences; greedy matches HF, seeded sampling with penalties
+    and logit_bias matches the eager path."""
     torch.manual_seed(0)
     model, hf = tiny(name, tmp_path_factory)
     prompts = make_prompts(16)
-    engine = graph_engine(model, prefill=True, budget=20, seqs=12)  # prefill shapes 16/32 tokens x 1-8 seqs
+    engine = graph_engine(model, prefill=True, budget=20, seqs=12)  # prefill shapes 16/32 tokens x 1-16 seqs
     outs = run_staggered(engine, prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference(name, hf, prompts)
     runner = engine.runner.cuda_runner
-    assert runner.num_prefill_graph_steps > 0 and runner.num_graph_steps > 0 and runner.num_eager_steps > 0
+    # Every step fits a captured shape: none runs eagerly.
+    assert runner.num_prefill_graph_steps > 0 and runner.num_graph_steps > 0 and runner.num_eager_steps == 0
     assert_all_free(engine)
     again = run_staggered(engine, prompts, GREEDY, per_step=1)  # now every prompt hits the prefix cache
     assert [o.outputs[0].token_ids for o in again] == reference(name, hf, prompts)
@@ -110,14 +112,18 @@ def test_padded_prefill_graph_steps_match_hf_and_eager(name, tmp_path_factory):
 
 def test_prefill_graph_shapes_cover_the_budget_and_stop_there():
     full = prefill_graph_shapes(8448, 256)
-    assert full == [(t, s) for t in (16, 32, 64, 128, 256, 512) for s in (1, 2, 4, 8)]
-    assert prefill_graph_shapes(40, 12) == [(t, s) for t in (16, 32, 64) for s in (1, 2, 4, 8)]
+    powers = [1 << i for i in range(9)]
+    assert full == [(t, s) for t in (16, 32, 64, 128, 256, 512) for s in powers if s <= t]
+    assert len(full) == 44
+    assert prefill_graph_shapes(40, 12) == [(t, s) for t in (16, 32, 64) for s in (1, 2, 4, 8, 16) if s <= t]
     assert prefill_graph_shapes(7, 1) == [(16, 1)]
     assert prefill_graph_shapes(512, 3) == [(t, s) for t in (16, 32, 64, 128, 256, 512) for s in (1, 2, 4)]
+    assert max(s for _, s in prefill_graph_shapes(8448, 4096)) == 512  # no more sequences than tokens
     graphs = PrefillReplayedEagerly(prefill_graph_shapes(40, 12), torch.device("cpu"))
     graphs.capture(lambda key: None, lambda key: key)
     assert graphs.padded_shape(17, 3) == (32, 4) and graphs.padded_shape(64, 8) == (64, 8)
-    assert graphs.padded_shape(65, 1) is None and graphs.padded_shape(3, 9) is None
+    assert graphs.padded_shape(20, 9) == (32, 16) and graphs.padded_shape(16, 16) == (16, 16)
+    assert graphs.padded_shape(65, 1) is None and graphs.padded_shape(3, 17) is None
     assert graphs.replay((32, 4)) == (32, 4)
 
 
@@ -303,20 +309,43 @@ def test_prefill_graphs_leave_forks_and_logprob_steps_eager(tmp_path_factory):
         assert_all_free(graphed)
 
 
-def test_mixed_steps_with_long_decode_contexts_stay_eager(monkeypatch, tmp_path_factory):
-    """Decode rows beyond PREFILL_GRAPH_MAX_DECODE_CONTEXT keep a mixed step eager (the decode kernel's
-    split-KV serves them there); pure prefill steps are graphed either way, outputs unchanged."""
-    from wllm.engine import cuda_runner as runner_module
+def test_captured_mixed_split_matches_the_eager_split(monkeypatch):
+    """In a captured mixed step the split between decode rows and prompt rows is worked out on the device
+    (mixed_split): the decode kernel serves the single-token sequences laid out first, the prefill kernel
+    sees only the prompt rows, and the result equals the eager step's split (num_decode_seqs) row for row,
+    with padding sequences and padding tokens after the real ones."""
+    from wllm.engine import cuda_attention
+    from wllm.engine.cuda_attention import CudaAttentionContext, mixed_split
 
     torch.manual_seed(0)
-    model, hf = tiny("llama", tmp_path_factory)
-    prompts = make_prompts(16)
-    counts = {}
-    default = runner_module.PREFILL_GRAPH_MAX_DECODE_CONTEXT
-    for limit in (default, 0):
-        monkeypatch.setattr(runner_module, "PREFILL_GRAPH_MAX_DECODE_CONTEXT", limit)
-        engine = graph_engine(model, prefill=True, budget=20, seqs=12)
-        outs = run_staggered(engine, prompts, GREEDY)
-        assert [o.outputs[0].token_ids for o in outs] == reference("llama", hf, prompts)
-        counts[limit] = engine.runner.cuda_runner.num_prefill_graph_steps
-    assert 0 < counts[0] < counts[default]  # limit 0: only the steps without decode rows
+    bs, hkv, hq, d, num_blocks = 4, 2, 4, 16, 40
+    k_cache, v_cache = torch.randn(2, num_blocks, bs, hkv, d).unbind(0)
+    # 3 decode rows (contexts 5, 17, 9), a 4-token chunk after 6 cached tokens, a fresh 7-token prompt, a
+    # padding sequence; 14 tokens padded to 20.
+    lens = torch.tensor([5, 17, 9, 10, 7, 0], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 2, 3, 7, 14, 14], dtype=torch.int32)
+    tables = torch.randperm(num_blocks)[:6 * 6].reshape(6, 6).to(torch.int32)
+    q = torch.randn(20, hq, d)
+    slots = torch.full((20,), -1, dtype=torch.int64)
+    caches = [(k_cache, v_cache)]
+    eager = CudaAttentionContext(caches, slots, tables, lens, starts, decode=False, max_seq_len=24,
+                                 num_decode_seqs=3)
+    want = eager._attention(q, k_cache, v_cache, 0.25, None, None)
+    split = mixed_split(lens, starts)
+    assert split["decode_lens"].tolist() == [5, 17, 9, 0, 0, 0]
+    assert split["prefill_starts"].tolist() == [3, 3, 3, 3, 7, 14, 14]
+    seen = []
+    prefill = cuda_attention.paged_prefill_attention
+
+    def spy(*args, **kwargs):
+        seen.append(args[5].tolist())
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_attention, "paged_prefill_attention", spy)
+    captured = CudaAttentionContext(caches, slots, tables, lens, starts, decode=False, max_seq_len=24, **split)
+    got = captured._attention(q, k_cache, v_cache, 0.25, None, None)
+    assert seen == [[3, 3, 3, 3, 7, 14, 14]]  # the prefill kernel never sees a decode row
+    torch.testing.assert_close(got[:14], want[:14])
+    # No decode rows at all (a pure prefill step): the split leaves every sequence to the prefill kernel.
+    none = mixed_split(torch.tensor([4, 9, 0], dtype=torch.int32), torch.tensor([0, 4, 9, 9], dtype=torch.int32))
+    assert none["decode_lens"].tolist() == [0, 0, 0] and none["prefill_starts"].tolist() == [0, 4, 9, 9]

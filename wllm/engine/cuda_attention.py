@@ -54,6 +54,16 @@ def cuda_attention_unsupported(head_dim: int, block_size: int, dtype: torch.dtyp
     return None
 
 
+def mixed_split(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`decode_lens` and `prefill_starts` (see CudaAttentionContext) of a step whose single-token sequences
+    come first, worked out on the device from its staged inputs, so that one captured graph serves any mix
+    of decode rows and prompt chunks: each single-token sequence's context (0 for the others), and the query
+    offsets with those sequences' ranges emptied (every offset at least their count)."""
+    single = (query_start_loc[1:] - query_start_loc[:-1]) == 1
+    return {"decode_lens": seq_lens * single,
+            "prefill_starts": torch.maximum(query_start_loc, single.sum(dtype=torch.int32))}
+
+
 def layer_caches(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(key cache, value cache) views [num_blocks, block_size, Hkv, D] of every layer, made once so
     the per-layer call does no indexing."""
@@ -68,7 +78,10 @@ class CudaAttentionContext:
     `decode` selects the decode kernel (one new token per sequence); `max_seq_len` bounds seq_lens
     for it and must stay fixed across graph replays; `workspace` is its split-KV scratch. Otherwise
     the first `num_decode_seqs` sequences (one new token each) still go to the decode kernel and the
-    rest to the prefill kernel.
+    rest to the prefill kernel. A captured mixed step, whose split is only known on the device, passes
+    `decode_lens` (int32 [S]: the context of each single-token sequence, 0 for the others) and
+    `prefill_starts` (query_start_loc with those sequences' query ranges emptied) instead: the decode
+    kernel then runs over all S sequences and the prefill kernel over the prompt rows.
     """
 
     def __init__(
@@ -83,6 +96,8 @@ class CudaAttentionContext:
         max_seq_len: int,
         workspace: torch.Tensor | None = None,
         num_decode_seqs: int = 0,
+        decode_lens: torch.Tensor | None = None,
+        prefill_starts: torch.Tensor | None = None,
     ) -> None:
         self.caches = caches
         self.slot_mapping = slot_mapping
@@ -93,6 +108,10 @@ class CudaAttentionContext:
         self.max_seq_len = max_seq_len
         self.workspace = workspace
         self.num_decode_seqs = 0 if decode else num_decode_seqs
+        if (decode_lens is None) != (prefill_starts is None):
+            raise ValueError("decode_lens and prefill_starts go together")
+        self.decode_lens = None if decode else decode_lens
+        self.prefill_starts = prefill_starts
 
     @property
     def num_tokens(self) -> int:
@@ -179,6 +198,17 @@ class CudaAttentionContext:
             return paged_decode_attention(q, key_cache, value_cache, self.block_tables, self.seq_lens, scale,
                                           max_seq_len=self.max_seq_len, sliding_window=sliding_window,
                                           logit_softcap=logit_softcap, workspace=self.workspace)
+        if self.decode_lens is not None:
+            # Decode rows first (the others come back zero), then the prompt rows over them; the prefill
+            # kernel leaves the rows in front of prefill_starts[0] alone.
+            out = torch.empty_like(q)
+            s = self.decode_lens.shape[0]
+            paged_decode_attention(q[:s], key_cache, value_cache, self.block_tables, self.decode_lens, scale,
+                                   max_seq_len=self.max_seq_len, sliding_window=sliding_window,
+                                   logit_softcap=logit_softcap, workspace=self.workspace, out=out[:s])
+            return paged_prefill_attention(q, key_cache, value_cache, self.block_tables, self.seq_lens,
+                                           self.prefill_starts, scale, sliding_window=sliding_window,
+                                           logit_softcap=logit_softcap, out=out)
         n = self.num_decode_seqs
         if not n:
             return paged_prefill_attention(q, key_cache, value_cache, self.block_tables, self.seq_lens,
@@ -186,8 +216,7 @@ class CudaAttentionContext:
                                            logit_softcap=logit_softcap)
         out = torch.empty_like(q)
         # The prefill sequences keep their offsets into q (query_start_loc[n] = n); the kernel skips
-        # the tiles of the decode rows in front of them and leaves those output rows alone (the CPU
-        # reference zeroes them, hence prefill first, decode second).
+        # the tiles of the decode rows in front of them and leaves those output rows alone.
         paged_prefill_attention(q, key_cache, value_cache, self.block_tables[n:], self.seq_lens[n:],
                                 self.query_start_loc[n:], scale, sliding_window=sliding_window,
                                 logit_softcap=logit_softcap, out=out)

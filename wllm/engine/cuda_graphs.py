@@ -3,10 +3,12 @@
 A decode step of S sequences is padded to the next captured batch size (1, 2, 4, 8, then
 multiples of 8 up to max_num_seqs); padding rows write their K/V to slot -1 (skipped) and have a
 context length of 0 (zero attention output), and are greedy, so they cost a little compute and
-nothing else. Short prefill and mixed steps (up to PREFILL_GRAPH_MAX_TOKENS tokens of up to
-PREFILL_GRAPH_MAX_SEQS sequences) are padded the same way to a captured (tokens, sequences) shape
-and run every row through the prefill kernel: eagerly, such a step costs the host more time than
-the GPU (~0.25 ms of Python and launches per layer), so a slow or busy host CPU set its speed.
+nothing else. Short prefill and mixed steps (up to PREFILL_GRAPH_MAX_TOKENS tokens) are padded the
+same way to a captured (tokens, sequences) shape: eagerly, such a step costs the host more time than
+the GPU (~0.25 ms of Python and launches per layer), so a slow or busy host CPU set its speed. In
+them the single-token rows (a mixed step's decode rows, laid out first) take the decode kernel, with
+its split-KV for long contexts, and the prompt chunks the prefill kernel; which rows are which is
+worked out on the device from the staged query offsets, so one graph serves any mix.
 Graphs are captured at start-up, largest first, into one shared memory pool: a capture frees its
 intermediates back to the pool, so each smaller graph reuses them and the pool is about the size
 of the largest step's activations. Replay reads its inputs from the runner's persistent device
@@ -28,15 +30,11 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
-# Prefill/mixed steps captured: token counts 16, 32, ..., PREFILL_GRAPH_MAX_TOKENS (powers of two) by
-# sequence counts 1, 2, 4, 8. Larger steps keep the GPU busy longer than the host needs to launch them.
-# WLLM_PREFILL_GRAPHS=0 runs them eagerly (A/B runs); --enforce-eager turns every graph off.
+# Prefill/mixed steps captured: token counts 16, 32, ..., PREFILL_GRAPH_MAX_TOKENS by sequence counts 1,
+# 2, 4, ... (powers of two, at most the token count). Larger steps keep the GPU busy longer than the host
+# needs to launch them. WLLM_PREFILL_GRAPHS=0 runs them eagerly (A/B runs); --enforce-eager turns every
+# graph off.
 PREFILL_GRAPH_MAX_TOKENS = 512
-PREFILL_GRAPH_MAX_SEQS = 8
-# A mixed step's decode rows take the prefill kernel in a graph, which gives each (sequence, KV head) one
-# thread block and no split-KV: fine for short contexts, slower than the decode kernel's splits for long
-# ones. Mixed steps whose decode rows reach further than this run eagerly. A cautious bound, not measured.
-PREFILL_GRAPH_MAX_DECODE_CONTEXT = 2048
 PREFILL_GRAPHS = os.environ.get("WLLM_PREFILL_GRAPHS", "1") != "0"
 
 # fp64 [2, B]: row 0 the sampled token ids (exact in fp64), row 1 their logprobs. One tensor, so a
@@ -73,11 +71,12 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def prefill_graph_shapes(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """Captured (tokens, sequences) shapes of prefill/mixed steps: token counts from 16 in powers of two up
-    to PREFILL_GRAPH_MAX_TOKENS, sequence counts 1, 2, 4, 8, each list cut after its first entry that
-    holds the step budget (resp. max_num_seqs), as no step can be larger."""
+    """Captured (tokens, sequences) shapes of prefill/mixed steps: token counts from 16 and sequence counts
+    from 1 in powers of two up to PREFILL_GRAPH_MAX_TOKENS, each list cut after its first entry that holds
+    the step budget (resp. max_num_seqs), as no step can be larger; a shape has no more sequences than
+    tokens."""
     tokens = [t for t in (16 << i for i in range(32)) if t <= PREFILL_GRAPH_MAX_TOKENS]
-    seqs = [s for s in (1, 2, 4, 8) if s <= PREFILL_GRAPH_MAX_SEQS]
+    seqs = [s for s in (1 << i for i in range(32)) if s <= PREFILL_GRAPH_MAX_TOKENS]
 
     def cut(sizes: list[int], limit: int) -> list[int]:
         return [x for i, x in enumerate(sizes) if i == 0 or sizes[i - 1] < limit]

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from wllm.engine.cuda_attention import CudaAttentionContext, layer_caches
+from wllm.engine.cuda_attention import CudaAttentionContext, layer_caches, mixed_split
 from wllm.engine.cuda_graphs import (
-    PREFILL_GRAPH_MAX_DECODE_CONTEXT,
     PREFILL_GRAPHS,
     DecodeGraphs,
     GraphOutputs,
@@ -272,12 +271,14 @@ class CudaStepRunner:
 
     def _graph_forward(self, key: int | tuple[int, int]) -> GraphOutputs:
         """The captured step: decode batches (key b) through the decode kernel, every token's logits;
-        prefill shapes (key (tokens, seqs)) through the prefill kernel, the logits of the staged rows."""
+        prefill shapes (key (tokens, seqs)) with their single-token sequences (laid out first) through the
+        decode kernel and the others through the prefill kernel, the logits of the staged rows."""
         tokens, seqs = self._graph_shape(key)
         decode = isinstance(key, int)
         d = self.inputs.layout(tokens, seqs, seqs).dev
+        split = {} if decode else mixed_split(d["seq_lens"], d["query_start"])
         ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
-                                   decode=decode, max_seq_len=self.max_seq_len, workspace=self.workspace)
+                                   decode=decode, max_seq_len=self.max_seq_len, workspace=self.workspace, **split)
         hidden = self.model(d["input_ids"], d["positions"], ctx)
         if not decode:
             hidden = hidden.index_select(0, self.inputs.logit_rows.dev[:seqs])
@@ -381,10 +382,6 @@ class CudaStepRunner:
                 key = self.graphs.padded_size(num_seqs)
             elif not one_token:
                 key = self.prefill_graphs.padded_shape(t, num_seqs)
-                # A mixed step's decode rows (first after the reorder above) with long contexts: the eager
-                # step's decode kernel splits them, the graph's prefill kernel would not.
-                if key is not None and any(s.start_pos >= PREFILL_GRAPH_MAX_DECODE_CONTEXT for s in seqs[:num_decode]):
-                    key = None
         if key is not None:
             tokens_pad, seqs_pad = self._graph_shape(key)
             layout = self.inputs.layout(tokens_pad, seqs_pad, seqs_pad)

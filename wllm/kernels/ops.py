@@ -321,8 +321,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block/token/head strides); block_tables int32 [S, max_blocks]; seq_lens int32 [S] (context
     length including the new tokens); query_start_loc int32 [S + 1]. Query i of sequence s sits at
     position seq_lens[s] - q_len + i. sliding_window: keys within that many positions (None: all);
-    logit_softcap: cap * tanh(score / cap) (None: off). Returns [T, Hq, D] (written into `out` when
-    given); rows past query_start_loc[-1] are left unwritten on CUDA. See reference.paged_prefill_attention.
+    logit_softcap: cap * tanh(score / cap) (None: off). Returns [T, Hq, D], written into `out` when given,
+    where rows outside [query_start_loc[0], query_start_loc[-1]) keep what they held (the queries of other
+    sequences, e.g. a mixed step's decode rows); in a fresh result those rows are undefined on CUDA. See
+    reference.paged_prefill_attention.
     """
     window = int(sliding_window or 0)
     cap = float(logit_softcap or 0.0)
@@ -335,6 +337,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         _check_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
         result = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                    scale, window, cap)
+        if out is not None:  # the rows the kernel writes, no others
+            lo, hi = int(query_start_loc[0]), int(query_start_loc[-1])
+            out[lo:hi].copy_(result[lo:hi])
+            return out
     elif _is_compiling():
         result = paged_prefill_attention_op(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                             window, cap)
