@@ -84,7 +84,7 @@ def main() -> None:
             for r in range(2 * args.rounds + 2):
                 mode = "graph" if r % 2 == 0 else "eager"
                 if mode == "eager":  # no captured shape holds the step
-                    runner.prefill_graphs.padded_shape = lambda tokens, seqs: None
+                    runner.prefill_graphs.padded_shape = lambda tokens, seqs, mixed: None
                 else:
                     runner.prefill_graphs.__dict__.pop("padded_shape", None)
                 name = f"short{next(rid)}"

@@ -37,6 +37,7 @@ class _Replayed:
             self._graphs[key] = (None, forward(key))
 
     def replay(self, key):
+        self.replayed = [*getattr(self, "replayed", []), key]
         return self._forward(key)
 
 
@@ -95,8 +96,11 @@ def test_padded_prefill_graph_steps_match_hf_and_eager(name, tmp_path_factory):
     outs = run_staggered(engine, prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference(name, hf, prompts)
     runner = engine.runner.cuda_runner
-    # Every step fits a captured shape: none runs eagerly.
+    # Every step fits a captured shape: none runs eagerly. The first prompts have nobody decoding beside them
+    # (prompt-only graphs); later steps carry decode rows (mixed graphs), some of more than 8 sequences.
     assert runner.num_prefill_graph_steps > 0 and runner.num_graph_steps > 0 and runner.num_eager_steps == 0
+    replayed = runner.prefill_graphs.replayed
+    assert not replayed[0][2] and any(mixed and s > 8 for _, s, mixed in replayed)
     assert_all_free(engine)
     again = run_staggered(engine, prompts, GREEDY, per_step=1)  # now every prompt hits the prefix cache
     assert [o.outputs[0].token_ids for o in again] == reference(name, hf, prompts)
@@ -111,20 +115,26 @@ def test_padded_prefill_graph_steps_match_hf_and_eager(name, tmp_path_factory):
 
 
 def test_prefill_graph_shapes_cover_the_budget_and_stop_there():
+    def grid(tokens, seqs):
+        return [(t, s) for t in tokens for s in seqs if s <= t]
+
+    def both(shapes):  # every shape mixed, those of up to 8 sequences also prompt-only
+        return [(t, s, m) for t, s in shapes for m in (False, True) if m or s <= 8]
+
     full = prefill_graph_shapes(8448, 256)
-    powers = [1 << i for i in range(9)]
-    assert full == [(t, s) for t in (16, 32, 64, 128, 256, 512) for s in powers if s <= t]
-    assert len(full) == 44
-    assert prefill_graph_shapes(40, 12) == [(t, s) for t in (16, 32, 64) for s in (1, 2, 4, 8, 16) if s <= t]
-    assert prefill_graph_shapes(7, 1) == [(16, 1)]
-    assert prefill_graph_shapes(512, 3) == [(t, s) for t in (16, 32, 64, 128, 256, 512) for s in (1, 2, 4)]
-    assert max(s for _, s in prefill_graph_shapes(8448, 4096)) == 512  # no more sequences than tokens
+    assert full == both(grid((16, 32, 64, 128, 256, 512), [1 << i for i in range(9)]))
+    assert len(full) == 44 + 24
+    assert prefill_graph_shapes(40, 12) == both(grid((16, 32, 64), (1, 2, 4, 8, 16)))
+    assert prefill_graph_shapes(7, 1) == [(16, 1, False), (16, 1, True)]
+    assert prefill_graph_shapes(512, 3) == both(grid((16, 32, 64, 128, 256, 512), (1, 2, 4)))
+    assert max(s for _, s, _ in prefill_graph_shapes(8448, 4096)) == 512  # no more sequences than tokens
     graphs = PrefillReplayedEagerly(prefill_graph_shapes(40, 12), torch.device("cpu"))
     graphs.capture(lambda key: None, lambda key: key)
-    assert graphs.padded_shape(17, 3) == (32, 4) and graphs.padded_shape(64, 8) == (64, 8)
-    assert graphs.padded_shape(20, 9) == (32, 16) and graphs.padded_shape(16, 16) == (16, 16)
-    assert graphs.padded_shape(65, 1) is None and graphs.padded_shape(3, 17) is None
-    assert graphs.replay((32, 4)) == (32, 4)
+    assert graphs.padded_shape(17, 3, True) == (32, 4, True) and graphs.padded_shape(64, 8, False) == (64, 8, False)
+    # No prompt-only graph of 16 sequences: a step without decode rows takes the mixed one.
+    assert graphs.padded_shape(20, 9, False) == (32, 16, True) and graphs.padded_shape(16, 16, True) == (16, 16, True)
+    assert graphs.padded_shape(65, 1, False) is None and graphs.padded_shape(3, 17, True) is None
+    assert graphs.replay((32, 4, True)) == (32, 4, True)
 
 
 @pytest.mark.parametrize(("name", "budget", "caching"), [("llama", 5, True), ("llama", 2048, False),

@@ -8,7 +8,9 @@ same way to a captured (tokens, sequences) shape: eagerly, such a step costs the
 the GPU (~0.25 ms of Python and launches per layer), so a slow or busy host CPU set its speed. In
 them the single-token rows (a mixed step's decode rows, laid out first) take the decode kernel, with
 its split-KV for long contexts, and the prompt chunks the prefill kernel; which rows are which is
-worked out on the device from the staged query offsets, so one graph serves any mix.
+worked out on the device from the staged query offsets, so one graph serves any mix. Steps without decode
+rows of up to PREFILL_ONLY_GRAPH_MAX_SEQS sequences (a prompt reaching an idle server) have graphs of
+their own without the decode kernel's launch.
 Graphs are captured at start-up, largest first, into one shared memory pool: a capture frees its
 intermediates back to the pool, so each smaller graph reuses them and the pool is about the size
 of the largest step's activations. Replay reads its inputs from the runner's persistent device
@@ -35,6 +37,9 @@ K = TypeVar("K", bound=Hashable)
 # needs to launch them. WLLM_PREFILL_GRAPHS=0 runs them eagerly (A/B runs); --enforce-eager turns every
 # graph off.
 PREFILL_GRAPH_MAX_TOKENS = 512
+# Steps of prompt chunks only also have graphs without the decode kernel for up to this many sequences (in
+# a mixed graph its launch over no decode rows costs a 512-token 8B prefill ~2.5%, a 0.5B one ~5%).
+PREFILL_ONLY_GRAPH_MAX_SEQS = 8
 PREFILL_GRAPHS = os.environ.get("WLLM_PREFILL_GRAPHS", "1") != "0"
 
 # fp64 [2, B]: row 0 the sampled token ids (exact in fp64), row 1 their logprobs. One tensor, so a
@@ -70,18 +75,21 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-def prefill_graph_shapes(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """Captured (tokens, sequences) shapes of prefill/mixed steps: token counts from 16 and sequence counts
-    from 1 in powers of two up to PREFILL_GRAPH_MAX_TOKENS, each list cut after its first entry that holds
-    the step budget (resp. max_num_seqs), as no step can be larger; a shape has no more sequences than
-    tokens."""
+def prefill_graph_shapes(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int, bool]]:
+    """Captured (tokens, sequences, mixed) shapes of prefill/mixed steps: token counts from 16 and sequence
+    counts from 1 in powers of two up to PREFILL_GRAPH_MAX_TOKENS, each list cut after its first entry that
+    holds the step budget (resp. max_num_seqs), as no step can be larger; a shape has no more sequences
+    than tokens. Every shape is captured mixed (decode rows allowed); those of up to
+    PREFILL_ONLY_GRAPH_MAX_SEQS sequences also without decode rows (mixed False)."""
     tokens = [t for t in (16 << i for i in range(32)) if t <= PREFILL_GRAPH_MAX_TOKENS]
     seqs = [s for s in (1 << i for i in range(32)) if s <= PREFILL_GRAPH_MAX_TOKENS]
 
     def cut(sizes: list[int], limit: int) -> list[int]:
         return [x for i, x in enumerate(sizes) if i == 0 or sizes[i - 1] < limit]
 
-    return [(t, s) for t in cut(tokens, max_num_batched_tokens) for s in cut(seqs, max_num_seqs) if s <= t]
+    shapes = [(t, s) for t in cut(tokens, max_num_batched_tokens) for s in cut(seqs, max_num_seqs) if s <= t]
+    return [(t, s, mixed) for t, s in shapes for mixed in (False, True)
+            if mixed or s <= PREFILL_ONLY_GRAPH_MAX_SEQS]
 
 
 class StepGraphs(Generic[K]):
@@ -148,21 +156,24 @@ class DecodeGraphs(StepGraphs[int]):
         return self.sizes[i]
 
 
-class PrefillGraphs(StepGraphs[tuple[int, int]]):
-    """One CUDA graph per padded (tokens, sequences) shape of short prefill and mixed steps."""
+class PrefillGraphs(StepGraphs[tuple[int, int, bool]]):
+    """One CUDA graph per padded (tokens, sequences, mixed) shape of short prefill and mixed steps."""
 
-    def __init__(self, shapes: list[tuple[int, int]], device: torch.device) -> None:
+    def __init__(self, shapes: list[tuple[int, int, bool]], device: torch.device) -> None:
         super().__init__(shapes, device)
-        self.tokens = sorted({t for t, _ in self.keys})
-        self.seqs = sorted({s for _, s in self.keys})
+        self.tokens = sorted({t for t, _, _ in self.keys})
+        self.seqs = sorted({s for _, s, _ in self.keys})
         most = (self.tokens[-1], self.seqs[-1]) if self.keys else (0, 0)
         self.what = f"prefill steps of up to {most[0]} tokens and {most[1]} sequences"
 
-    def padded_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
-        """The smallest captured (tokens, sequences) holding the step (None: none does, run eagerly)."""
+    def padded_shape(self, num_tokens: int, num_seqs: int, mixed: bool) -> tuple[int, int, bool] | None:
+        """The smallest captured shape holding the step (None: none does, run eagerly); a step without
+        decode rows (mixed False) takes a mixed graph where it has no graph of its own."""
         i = bisect.bisect_left(self.tokens, num_tokens)
         j = bisect.bisect_left(self.seqs, num_seqs)
         if i == len(self.tokens) or j == len(self.seqs):
             return None
-        key = (self.tokens[i], self.seqs[j])
-        return key if key in self._graphs else None
+        for key in ((self.tokens[i], self.seqs[j], mixed), (self.tokens[i], self.seqs[j], True)):
+            if key in self._graphs:
+                return key
+        return None

@@ -218,7 +218,7 @@ class CudaStepRunner:
         self.prefill_graphs = PrefillGraphs(shapes if sizes and PREFILL_GRAPHS else [], self.device)
         # Room for the largest graph shapes even when graphs are off (tests swap in stand-in graphs).
         capacity = max(max_num_batched_tokens, graph_batch_sizes(max_num_seqs)[-1], max_num_seqs,
-                       max(t for t, _ in shapes))
+                       max(key[0] for key in shapes))
         self.inputs = StepInputs(capacity, max_blocks, 2 * capacity, self.device)
         self.sampling = SamplingBuffers(2 * capacity, config.vocab_size, self.device)
         pin = on_cuda
@@ -252,11 +252,11 @@ class CudaStepRunner:
 
     # ------------------------------------------------------------------------------------- graphs
     @staticmethod
-    def _graph_shape(key: int | tuple[int, int]) -> tuple[int, int]:
+    def _graph_shape(key: int | tuple[int, int, bool]) -> tuple[int, int]:
         """(tokens, sequences) of a graph key: a decode batch size b is (b, b)."""
-        return (key, key) if isinstance(key, int) else key
+        return (key, key) if isinstance(key, int) else key[:2]
 
-    def _prepare_padding(self, key: int | tuple[int, int]) -> None:
+    def _prepare_padding(self, key: int | tuple[int, int, bool]) -> None:
         """Inputs of a graph's shape, all padding: slot -1, no context, greedy sampling, no CSR
         entries, logits of token 0."""
         tokens, seqs = self._graph_shape(key)
@@ -269,14 +269,14 @@ class CudaStepRunner:
             self.inputs.logit_rows.np[:seqs] = 0
             self.inputs.logit_rows.upload(seqs)
 
-    def _graph_forward(self, key: int | tuple[int, int]) -> GraphOutputs:
+    def _graph_forward(self, key: int | tuple[int, int, bool]) -> GraphOutputs:
         """The captured step: decode batches (key b) through the decode kernel, every token's logits;
-        prefill shapes (key (tokens, seqs)) with their single-token sequences (laid out first) through the
-        decode kernel and the others through the prefill kernel, the logits of the staged rows."""
+        prefill shapes (key (tokens, seqs, mixed)) through the prefill kernel, a mixed one's single-token
+        sequences (laid out first) through the decode kernel, the logits of the staged rows."""
         tokens, seqs = self._graph_shape(key)
         decode = isinstance(key, int)
         d = self.inputs.layout(tokens, seqs, seqs).dev
-        split = {} if decode else mixed_split(d["seq_lens"], d["query_start"])
+        split = mixed_split(d["seq_lens"], d["query_start"]) if not decode and key[2] else {}
         ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
                                    decode=decode, max_seq_len=self.max_seq_len, workspace=self.workspace, **split)
         hidden = self.model(d["input_ids"], d["positions"], ctx)
@@ -375,13 +375,13 @@ class CudaStepRunner:
         self._parity ^= 1
         pending = PendingStep(out, rows, owners, want_logprobs)
 
-        # A graph of the step's padded shape: (b, b) for a decode batch of b, else (tokens, sequences).
-        key: int | tuple[int, int] | None = None
+        # A graph of the step's padded shape: b for a decode batch of b, else (tokens, sequences, mixed).
+        key: int | tuple[int, int, bool] | None = None
         if graphable and not want_logprobs:
             if one_token and len(rows) == num_seqs:
                 key = self.graphs.padded_size(num_seqs)
             elif not one_token:
-                key = self.prefill_graphs.padded_shape(t, num_seqs)
+                key = self.prefill_graphs.padded_shape(t, num_seqs, num_decode > 0)
         if key is not None:
             tokens_pad, seqs_pad = self._graph_shape(key)
             layout = self.inputs.layout(tokens_pad, seqs_pad, seqs_pad)
