@@ -126,7 +126,8 @@ def test_mixed_graph_steps_with_long_decode_contexts_identical_to_eager(tmp_path
               for i in range(len(prompts))]
     outs = []
     for eager in (False, True):
-        engine = make_engine(gpu, seqs=16, budget=512, blocks=1024, block_size=16, eager=eager)
+        # 20 sequences: decode graphs up to 24, mixed prefill graphs up to 32 (the decode workspace covers both).
+        engine = make_engine(gpu, seqs=20, budget=512, blocks=1024, block_size=16, eager=eager)
         runner = engine.runner.cuda_runner
         for i in range(3):
             engine.add_request(str(i), prompts[i], params[i])

@@ -228,8 +228,10 @@ class CudaStepRunner:
         self._events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(2)] if on_cuda else []
         self._parity = 0
         index = self.device.index or 0
+        # Decode attention runs in the decode graphs and, over all their sequences, in the mixed prefill graphs.
+        batches = set(sizes) | {s for _, s, mixed in self.prefill_graphs.keys if mixed}
         need = max([decode_workspace_size(b, self.num_heads, self.num_kv_heads, self.head_dim, self.max_seq_len,
-                                          device=index) for b in sizes] + [0])
+                                          device=index) for b in batches] + [0])
         # Zero-filled once: decode attention keeps its split-merge tickets there and leaves them zero.
         self.workspace = torch.zeros((need + 3) // 4, dtype=torch.float32, device=self.device) if need else None
         # pinned fp64 [2, B] per (size, parity), and whether the result kernel may write it in place
