@@ -158,3 +158,46 @@ def test_abort_frees_blocks_and_stats_show_it_while_idle(tmp_path_factory):
     finally:
         engine.shutdown()
     assert_all_free(engine.engine)
+
+
+def test_a_slow_consumer_gets_the_newest_output_not_a_backlog():
+    """The engine thread publishes outputs faster than the consumer takes them: the consumer sees a rising
+    subset that always ends with the finished output, each one the newest at the time; an error is final."""
+    import threading
+    import time
+
+    from wllm.engine.async_engine import _Stream
+    from wllm.outputs import CompletionOutput, RequestOutput
+
+    def output(n, finished=False):
+        return RequestOutput("r", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=finished)
+
+    async def main():
+        stream = _Stream(asyncio.get_running_loop())
+
+        def produce():
+            for n in range(1, 2001):
+                stream.put(output(n, finished=n == 2000))
+
+        thread = threading.Thread(target=produce)
+        thread.start()
+        seen = []
+        async for item in stream:
+            seen.append(len(item.outputs[0].token_ids))
+            time.sleep(0.0005)  # a consumer slower than the producer
+            if item.finished:
+                break
+        thread.join()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] == 2000 and seen == sorted(set(seen)) and len(seen) < 2000
+
+    async def error_is_final():
+        stream = _Stream(asyncio.get_running_loop())
+        stream.put(RuntimeError("boom"))
+        stream.put(output(1))
+        async for item in stream:
+            return item
+
+    assert isinstance(asyncio.run(error_is_final()), RuntimeError)

@@ -1,8 +1,9 @@
 """`AsyncEngine`: the `LLMEngine` step loop in its own thread, streaming to asyncio consumers.
 
 Callers on any event loop submit commands (add, abort) through a thread-safe queue; the loop
-thread applies them between steps, runs `step()`, and hands each `RequestOutput` to the
-request's asyncio queue with `call_soon_threadsafe`. A failing step fails only its requests
+thread applies them between steps, runs `step()`, and publishes each `RequestOutput` to the
+request's consumer with `call_soon_threadsafe` (outputs are cumulative: a consumer that falls behind
+gets the newest, not a backlog). A failing step fails only its requests
 (they get an output with `error` set); after `max_consecutive_failures` failing steps in a row,
 or if the loop itself breaks, the engine marks itself unhealthy, fails every request and
 rejects new ones, so no consumer ever waits forever.
@@ -29,17 +30,51 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    __slots__ = ("loop", "queue")
+    """Hands one request's outputs from the engine thread to its consumer's event loop.
+
+    Outputs are cumulative (each holds all tokens so far), so a consumer that has fallen behind needs only
+    the newest: the engine thread replaces the pending output and wakes the loop at most once until the
+    consumer has looked. A handoff per output (one loop callback and self-pipe write each, i.e. one per
+    stream per step) kept a serving event loop busier than the engine at 64 streaming clients, and new
+    requests waited behind that backlog. Lock-free: only the engine thread writes `latest` (one tuple
+    assignment), only the loop thread clears `woken`; a write after the consumer looked finds `woken`
+    clear and wakes it again, so the newest output is never missed."""
+
+    __slots__ = ("loop", "latest", "woken", "ready")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.latest: tuple[int, RequestOutput | BaseException | None] = (0, None)  # (sequence number, output)
+        self.woken = False
+        self.ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the consumer's loop is closed; nobody is listening any more
+        """Engine thread: publish `item` as the newest output (an error is final)."""
+        seq, last = self.latest
+        if isinstance(last, BaseException):
+            return
+        self.latest = (seq + 1, item)
+        if not self.woken:
+            self.woken = True
+            try:
+                self.loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:
+                pass  # the consumer's loop is closed; nobody is listening any more
+
+    def _wake(self) -> None:
+        self.woken = False
+        self.ready.set()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput | BaseException]:
+        """Loop thread: the newest output each time there is a new one."""
+        seen = 0
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            seq, item = self.latest
+            if seq != seen and item is not None:
+                seen = seq
+                yield item
 
 
 class AsyncEngine:
@@ -106,7 +141,8 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs until the request finishes. Raises QueueFullError (queue at
+        """Stream cumulative outputs until the request finishes (a consumer that falls behind skips to the
+        newest; the finished one always comes). Raises QueueFullError (queue at
         its bound), ValueError (bad input) or EngineDeadError; aborts the request if the consumer
         stops iterating."""
         if self._dead is not None:
@@ -132,8 +168,7 @@ class AsyncEngine:
         await accepted
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
+            async for item in stream:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
