@@ -47,13 +47,29 @@ PREFILL_GRAPHS = os.environ.get("WLLM_PREFILL_GRAPHS", "1") != "0"
 GraphOutputs = torch.Tensor
 
 
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: torch.device | None) -> torch.cuda.Stream:
+    """The one side stream of `device` that every capture's warm-up run uses. cuBLAS keeps a workspace
+    (32 MiB on Hopper) for each stream it has run on, for the life of the process, and new streams cycle
+    through torch's pool of 32: a stream per graph left ~1 GiB allocated (H200), outside the memory the
+    KV cache was sized against and still held after the engine was dropped."""
+    with torch.cuda.device(device):
+        index = torch.cuda.current_device()
+    stream = _WARMUP_STREAMS.get(index)
+    if stream is None:
+        stream = _WARMUP_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
+
+
 def capture_graph(fn: Callable[[], T], pool: Any = None,
                   device: torch.device | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture fn() in a CUDA graph; returns the graph and fn's static outputs (rewritten by each
     replay). fn runs once first on a side stream: lazy initialisation (cuBLAS handles, workspaces)
     must not happen inside a capture."""
     current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
+    side = _warmup_stream(device)
     side.wait_stream(current)
     with torch.cuda.stream(side):
         fn()
