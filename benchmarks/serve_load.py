@@ -3,7 +3,11 @@
 Ramps the number of concurrent streaming clients (default 1, 2, 4, ... 64); at each level every
 client sends requests back to back until the level's request count is done. Reports, per level:
 time to first token (p50/p95/p99), inter-token latency (p50/p95/p99 over all token gaps),
-end-to-end latency, output tokens/s and requests/s.
+end-to-end latency, output tokens/s and requests/s, as this one client process sees them; and, from a
+wLLM server's `/metrics` read before and after the level, the engine's own TTFT (from the engine taking
+the request to its first token) and inter-token p50/p95, as the upper bounds of their histogram buckets.
+Where the two part, the time goes to the HTTP layer or to this client (one asyncio process: at dozens
+of streams it can be the bottleneck itself).
 
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000/v1
     python benchmarks/serve_load.py --spawn "--load-format dummy qwen2.5-0.5b --tokenizer ..." --levels 1,8,64
@@ -47,6 +51,8 @@ class LevelResult:
     requests: int
     wall: float
     results: list[RequestResult] = field(default_factory=list)
+    # The engine's histograms over the level (bucket bound -> count, cumulative); None: not a wLLM server.
+    server: dict[str, dict[float, float]] | None = None
 
     def summary(self) -> dict[str, Any]:
         ok = [r for r in self.results if r.error is None]
@@ -66,7 +72,52 @@ class LevelResult:
             "e2e_p50_s": pct([r.e2e for r in ok], 50),
             "output_tok_s": tokens / self.wall if self.wall else 0.0,
             "req_s": len(ok) / self.wall if self.wall else 0.0,
+            **{f"engine_{name}_{q}_ms": bucket_pct((self.server or {}).get(metric), q)
+               for name, metric in (("ttft", TTFT_METRIC), ("itl", ITL_METRIC)) for q in ("p50", "p95")},
         }
+
+
+TTFT_METRIC = "wllm_time_to_first_token_seconds"
+ITL_METRIC = "wllm_inter_token_latency_seconds"
+
+
+def bucket_pct(buckets: dict[float, float] | None, q: str) -> float | None:
+    """The upper bound (ms) of the histogram bucket holding the q-th percentile ("p50"), from cumulative
+    counts by bound; None without counts, inf past the last finite bound."""
+    if not buckets or not buckets.get(math.inf):
+        return None
+    rank = max(1, math.ceil(float(q[1:]) / 100 * buckets[math.inf]))
+    return next(bound * 1e3 for bound, count in sorted(buckets.items()) if count >= rank)
+
+
+def server_histograms(root_url: str, headers: dict[str, str]) -> dict[str, dict[float, float]] | None:
+    """Cumulative bucket counts of the server's TTFT and inter-token histograms, summed over their label
+    sets (None: no such metrics there)."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(root_url + "/metrics", headers=headers, timeout=10).text
+        families = list(text_string_to_metric_families(text))
+    except Exception:  # no prometheus_client, no /metrics, not Prometheus text: client-side numbers only
+        return None
+    out: dict[str, dict[float, float]] = {}
+    for family in families:
+        if family.name in (TTFT_METRIC, ITL_METRIC):
+            counts = out.setdefault(family.name, {})
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    bound = float(sample.labels["le"])
+                    counts[bound] = counts.get(bound, 0.0) + sample.value
+    return out or None
+
+
+def histogram_delta(before: dict[str, dict[float, float]] | None,
+                    after: dict[str, dict[float, float]] | None) -> dict[str, dict[float, float]] | None:
+    """What was observed between two `server_histograms` reads."""
+    if before is None or after is None:
+        return None
+    return {name: {bound: count - before.get(name, {}).get(bound, 0.0) for bound, count in counts.items()}
+            for name, counts in after.items()}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -148,14 +199,20 @@ def spawn_server(args: str) -> tuple[subprocess.Popen[str], str]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = ("| clients | requests | errors | TTFT p50/p95/p99 (ms) | ITL p50/p95/p99 (ms) | e2e p50 (s) "
-            "| output tok/s | req/s |")
-    lines = [head, "|" + "---|" * 8]
+            "| output tok/s | req/s | engine TTFT p50/p95 (ms, <=) | engine ITL p50/p95 (ms, <=) |")
+    lines = [head, "|" + "---|" * 10]
+
+    def bound(v: float | None) -> str:
+        return "-" if v is None else f"{v:g}"
+
     for r in rows:
         lines.append(
             f"| {r['concurrency']} | {r['requests']} | {r['errors']} "
             f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
             f"| {r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} / {r['itl_p99_ms']:.1f} "
-            f"| {r['e2e_p50_s']:.2f} | {r['output_tok_s']:.1f} | {r['req_s']:.2f} |")
+            f"| {r['e2e_p50_s']:.2f} | {r['output_tok_s']:.1f} | {r['req_s']:.2f} "
+            f"| {bound(r['engine_ttft_p50_ms'])} / {bound(r['engine_ttft_p95_ms'])} "
+            f"| {bound(r['engine_itl_p50_ms'])} / {bound(r['engine_itl_p95_ms'])} |")
     return "\n".join(lines)
 
 
@@ -180,10 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or httpx.get(base_url.rstrip("/") + "/models", headers=headers).json()["data"][0]["id"]
         version = httpx.get(base_url.removesuffix("/v1").rstrip("/") + "/version").json().get("version", "?")
         print(f"server {base_url} (wllm {version}), model {model}, {args.max_tokens} output tokens per request")
+        root = base_url.removesuffix("/v1").rstrip("/")
         rows = []
         for level in (int(x) for x in args.levels.split(",")):
+            before = server_histograms(root, headers)
             result = asyncio.run(run_level(base_url, model, level, level * args.requests_per_client, args.max_tokens,
                                            args.api_key))
+            result.server = histogram_delta(before, server_histograms(root, headers))
             row = result.summary()
             rows.append(row)
             print(format_table([row]).splitlines()[-1], flush=True)

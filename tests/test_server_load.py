@@ -78,3 +78,32 @@ def test_percentile_nearest_rank() -> None:
     assert bench.pct([3.0, 1.0, 2.0], 50) == 2.0
     assert bench.pct(list(range(1, 101)), 99) == 99
     assert bench.pct([5.0], 99) == 5.0
+
+
+def test_engine_side_percentiles_come_from_the_servers_histograms(base_url: str, tmp_path: Path) -> None:
+    """Each level also reports the server's own TTFT and inter-token percentiles, from its /metrics
+    histograms read before and after the level (bucket upper bounds)."""
+    import json
+
+    bench = load_bench()
+    out = tmp_path / "load.json"
+    assert bench.main(["--base-url", base_url, "--levels", "2,3", "--requests-per-client", "2", "--max-tokens", "6",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["levels"]
+    assert [r["requests"] for r in rows] == [4, 6]
+    for r in rows:
+        assert r["engine_ttft_p50_ms"] is not None and 0 < r["engine_ttft_p50_ms"] <= r["engine_ttft_p95_ms"]
+        assert r["engine_itl_p95_ms"] is not None
+    root = base_url.removesuffix("/v1")
+    before = bench.server_histograms(root, {})
+    delta = bench.histogram_delta(before, bench.server_histograms(root, {}))
+    assert delta is not None and delta[bench.TTFT_METRIC][float("inf")] == 0  # nothing ran in between
+
+
+def test_bucket_percentiles() -> None:
+    bench = load_bench()
+    buckets = {0.005: 2.0, 0.05: 9.0, 0.5: 10.0, float("inf"): 10.0}
+    assert bench.bucket_pct(buckets, "p50") == 50.0 and bench.bucket_pct(buckets, "p95") == 500.0
+    assert bench.bucket_pct({0.1: 1.0, float("inf"): 2.0}, "p95") == float("inf")
+    assert bench.bucket_pct({}, "p50") is None and bench.bucket_pct({float("inf"): 0.0}, "p50") is None
+    assert bench.server_histograms("http://127.0.0.1:9", {}) is None  # nothing listening: no engine numbers
