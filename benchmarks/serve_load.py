@@ -4,10 +4,10 @@ Ramps the number of concurrent streaming clients (default 1, 2, 4, ... 64); at e
 client sends requests back to back until the level's request count is done. Reports, per level:
 time to first token (p50/p95/p99), inter-token latency (p50/p95/p99 over all token gaps),
 end-to-end latency, output tokens/s and requests/s, as this one client process sees them; and, from a
-wLLM server's `/metrics` read before and after the level, the engine's own TTFT (from the engine taking
-the request to its first token) and inter-token p50/p95, as the upper bounds of their histogram buckets.
-Where the two part, the time goes to the HTTP layer or to this client (one asyncio process: at dozens
-of streams it can be the bottleneck itself).
+wLLM server's `/metrics` read before and after the level, the server's own TTFT (from the request
+reaching it to its first token) and inter-token p50/p95, as the upper bounds of their histogram
+buckets. Where the two part, the time goes to the connection or to this client (one asyncio process:
+at dozens of streams it can be the bottleneck itself).
 
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000/v1
     python benchmarks/serve_load.py --spawn "--load-format dummy qwen2.5-0.5b --tokenizer ..." --levels 1,8,64
@@ -72,7 +72,7 @@ class LevelResult:
             "e2e_p50_s": pct([r.e2e for r in ok], 50),
             "output_tok_s": tokens / self.wall if self.wall else 0.0,
             "req_s": len(ok) / self.wall if self.wall else 0.0,
-            **{f"engine_{name}_{q}_ms": bucket_pct((self.server or {}).get(metric), q)
+            **{f"server_{name}_{q}_ms": bucket_pct((self.server or {}).get(metric), q)
                for name, metric in (("ttft", TTFT_METRIC), ("itl", ITL_METRIC)) for q in ("p50", "p95")},
         }
 
@@ -199,7 +199,7 @@ def spawn_server(args: str) -> tuple[subprocess.Popen[str], str]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = ("| clients | requests | errors | TTFT p50/p95/p99 (ms) | ITL p50/p95/p99 (ms) | e2e p50 (s) "
-            "| output tok/s | req/s | engine TTFT p50/p95 (ms, <=) | engine ITL p50/p95 (ms, <=) |")
+            "| output tok/s | req/s | server TTFT p50/p95 (ms, <=) | server ITL p50/p95 (ms, <=) |")
     lines = [head, "|" + "---|" * 10]
 
     def bound(v: float | None) -> str:
@@ -211,8 +211,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['ttft_p50_ms']:.0f} / {r['ttft_p95_ms']:.0f} / {r['ttft_p99_ms']:.0f} "
             f"| {r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} / {r['itl_p99_ms']:.1f} "
             f"| {r['e2e_p50_s']:.2f} | {r['output_tok_s']:.1f} | {r['req_s']:.2f} "
-            f"| {bound(r['engine_ttft_p50_ms'])} / {bound(r['engine_ttft_p95_ms'])} "
-            f"| {bound(r['engine_itl_p50_ms'])} / {bound(r['engine_itl_p95_ms'])} |")
+            f"| {bound(r['server_ttft_p50_ms'])} / {bound(r['server_ttft_p95_ms'])} "
+            f"| {bound(r['server_itl_p50_ms'])} / {bound(r['server_itl_p95_ms'])} |")
     return "\n".join(lines)
 
 

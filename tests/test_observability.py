@@ -216,3 +216,24 @@ def test_client_table_is_bounded() -> None:
     limiter.acquire("a")  # "a" was evicted as least recently seen, so it starts with a full bucket
     with pytest.raises(RateLimited):
         limiter.acquire("c")
+
+
+def test_ttft_and_e2e_count_from_the_servers_arrival_queue_time_from_the_engines() -> None:
+    """Time the request spent in the HTTP layer before the engine took it (parsing, tokenization, the
+    hand-off to the engine thread) is in TTFT and end-to-end latency, not in queue time."""
+    from wllm.entrypoints.openai.serving_common import EngineRun, RequestRecord, ServerContext
+    from wllm.observability.metrics import ServerMetrics
+    from wllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from wllm.sampling_params import SamplingParams
+
+    metrics = ServerMetrics()
+    ctx = ServerContext(ScriptedEngine(), ServerConfig(served_model_names=["tiny"]), metrics, None)
+    record = RequestRecord()
+    record.arrival = 100.0  # reached the server; the engine took it 0.5 s later
+    run = EngineRun(ctx, record, [1, 2], SamplingParams(max_tokens=1), "r1")
+    m = RequestMetrics(arrival_time=100.5, first_scheduled_time=100.6, first_token_time=100.8, finished_time=101.0)
+    run.last = RequestOutput("r1", [1, 2], [CompletionOutput(0, "a", [3], finish_reason="length")], finished=True,
+                             metrics=m)
+    run._finish()
+    assert record.queue_time == pytest.approx(0.1) and record.ttft == pytest.approx(0.8)
+    assert metrics.ttft._sum.get() == pytest.approx(0.8) and metrics.e2e._sum.get() == pytest.approx(1.0)

@@ -41,7 +41,9 @@ class ObservabilityMiddleware:
             await self.app(scope, receive, send)
             return
         ctx = self.ctx
+        start = time.monotonic()
         record = RequestRecord()
+        record.arrival = start
         record.client = client_host(scope)
         scope.setdefault("state", {})[STATE_KEY] = record  # type: ignore[typeddict-item]
         template = scope.get("path_template") or scope["path"]
@@ -53,7 +55,6 @@ class ObservabilityMiddleware:
                 f"{method} {endpoint}", headers,
                 {"http.request.method": method, "url.path": scope["path"], "client.address": record.client})
         status = 500
-        start = time.monotonic()
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status

@@ -52,6 +52,7 @@ class RequestRecord:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self.arrival: float | None = None  # time.monotonic() when the request reached the server
         self.queue_time: float | None = None
         self.ttft: float | None = None
         self.error: str | None = None
@@ -329,7 +330,10 @@ class EngineRun:
         if out is None:
             return
         m = out.metrics
-        arrival = m.arrival_time if m is not None else self._arrival
+        arrival = m.arrival_time if m is not None else self._arrival  # the engine's: queue time starts there
+        # TTFT and end-to-end latency count from the request's arrival at the server (HTTP parsing,
+        # tokenization and the hand-off to the engine thread included): what a client waits for.
+        received = min(rec.arrival, arrival) if rec.arrival is not None else arrival
         scheduled = m.first_scheduled_time if m is not None else None
         first = (m.first_token_time if m is not None else None) or self._first_token
         done = (m.finished_time if m is not None else None) or time.monotonic()
@@ -343,10 +347,10 @@ class EngineRun:
             metrics.queue_time.observe(max(0.0, scheduled - arrival))
             rec.queue_time = max(0.0, scheduled - arrival) if rec.queue_time is None else rec.queue_time
         if first is not None:
-            metrics.ttft.observe(max(0.0, first - arrival))
-            rec.ttft = max(0.0, first - arrival) if rec.ttft is None else min(rec.ttft, first - arrival)
+            metrics.ttft.observe(max(0.0, first - received))
+            rec.ttft = max(0.0, first - received) if rec.ttft is None else min(rec.ttft, first - received)
         if out.finished:
-            metrics.e2e.observe(max(0.0, done - arrival))
+            metrics.e2e.observe(max(0.0, done - received))
         if self.ctx.tracer is not None and rec.span is not None:
             self.ctx.tracer.add_phases(rec.span, arrival, scheduled, first, done,
                                        {"wllm.completion_tokens": sum(len(c.token_ids) for c in out.outputs)})
