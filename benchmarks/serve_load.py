@@ -6,11 +6,13 @@ time to first token (p50/p95/p99), inter-token latency (p50/p95/p99 over all tok
 end-to-end latency, output tokens/s and requests/s, as this one client process sees them; and, from a
 wLLM server's `/metrics` read before and after the level, the server's own TTFT (from the request
 reaching it to its first token) and inter-token p50/p95, as the upper bounds of their histogram
-buckets. Where the two part, the time goes to the connection or to this client (one asyncio process:
-at dozens of streams it can be the bottleneck itself).
+buckets. Where the two part, the time goes to the connection or to the client: one asyncio process
+reading dozens of streams can be the bottleneck itself, so `--procs N` spreads a level's clients over
+N processes.
 
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000/v1
     python benchmarks/serve_load.py --spawn "--load-format dummy qwen2.5-0.5b --tokenizer ..." --levels 1,8,64
+    python benchmarks/serve_load.py --base-url http://127.0.0.1:8000/v1 --levels 64 --procs 8
 
 `--spawn ARGS` starts `wllm serve --port 0 ARGS` itself and stops it at the end. Requests use
 `ignore_eos` so every request produces exactly `--max-tokens` tokens (a fixed, comparable load).
@@ -22,11 +24,14 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
+import os
 import re
 import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,11 +169,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, max_token
 
 
 async def run_level(base_url: str, model: str, concurrency: int, n_requests: int, max_tokens: int,
-                    api_key: str | None = None, prompt: str = PROMPT) -> LevelResult:
-    """Run `n_requests` streaming completions with `concurrency` clients sending back to back."""
+                    api_key: str | None = None, prompt: str = PROMPT, *, tag: int | None = None,
+                    first_index: int = 0) -> LevelResult:
+    """Run `n_requests` streaming completions with `concurrency` clients sending back to back (prompts
+    numbered from `first_index` under `tag`, default the concurrency)."""
     url = base_url.rstrip("/") + "/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    todo = list(range(n_requests))
+    tag = concurrency if tag is None else tag
+    todo = list(range(first_index, first_index + n_requests))
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
@@ -178,12 +186,45 @@ async def run_level(base_url: str, model: str, concurrency: int, n_requests: int
                 i = todo.pop()
                 # A prefix unique per level and request keeps this from turning into a prefix-cache test.
                 results.append(await one_request(client, url, model, max_tokens, headers,
-                                                 f"[{concurrency}.{i}] {prompt}"))
+                                                 f"[{tag}.{i}] {prompt}"))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
     return LevelResult(concurrency, n_requests, wall, results)
+
+
+def _run_share(base_url: str, model: str, clients: int, n_requests: int, max_tokens: int, api_key: str | None,
+               tag: int, first_index: int, start_at: float) -> tuple[list[RequestResult], float, float]:
+    """One load process's share of a level (--procs): starts at `start_at` (time.time()), returns its
+    results and when it started and ended."""
+    time.sleep(max(0.0, start_at - time.time()))
+    began = time.time()
+    result = asyncio.run(run_level(base_url, model, clients, n_requests, max_tokens, api_key, tag=tag,
+                                   first_index=first_index))
+    return result.results, began, time.time()
+
+
+def _ready(_: int) -> int:
+    """A no-op task: mapping enough of them starts every pool process before the first level."""
+    return os.getpid()
+
+
+def run_level_procs(pool: ProcessPoolExecutor, procs: int, base_url: str, model: str, concurrency: int,
+                    n_requests: int, max_tokens: int, api_key: str | None = None) -> LevelResult:
+    """`run_level` with the clients spread over `procs` processes of `pool` (one asyncio process reading
+    dozens of streams can be slower than the server it measures); requests split with the clients."""
+    k = max(1, min(procs, concurrency))
+    clients = [concurrency // k + (i < concurrency % k) for i in range(k)]
+    requests = [n_requests * c // concurrency for c in clients]
+    for i in range(n_requests - sum(requests)):
+        requests[i % k] += 1
+    start_at = time.time() + 0.2
+    futures = [pool.submit(_run_share, base_url, model, c, r, max_tokens, api_key, concurrency, sum(requests[:i]),
+                           start_at) for i, (c, r) in enumerate(zip(clients, requests))]
+    shares = [f.result() for f in futures]
+    wall = max(end for _, _, end in shares) - min(began for _, began, _ in shares)
+    return LevelResult(concurrency, n_requests, wall, [r for results, _, _ in shares for r in results])
 
 
 def spawn_server(args: str) -> tuple[subprocess.Popen[str], str]:
@@ -226,13 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2, help="requests per client at each level")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--procs", type=int, default=1,
+                   help="client processes (the clients of a level are spread over them; 1: this process)")
     args = p.parse_args(argv)
 
     proc = None
+    pool = None
     base_url = args.base_url
     if args.spawn is not None:
         proc, base_url = spawn_server(args.spawn)
     try:
+        if args.procs > 1:  # spawn: the same on Windows and Linux; started before the first level
+            pool = ProcessPoolExecutor(args.procs, mp_context=multiprocessing.get_context("spawn"))
+            list(pool.map(_ready, range(4 * args.procs)))
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.model or httpx.get(base_url.rstrip("/") + "/models", headers=headers).json()["data"][0]["id"]
         version = httpx.get(base_url.removesuffix("/v1").rstrip("/") + "/version").json().get("version", "?")
@@ -241,8 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for level in (int(x) for x in args.levels.split(",")):
             before = server_histograms(root, headers)
-            result = asyncio.run(run_level(base_url, model, level, level * args.requests_per_client, args.max_tokens,
-                                           args.api_key))
+            n_requests = level * args.requests_per_client
+            if pool is not None:
+                result = run_level_procs(pool, args.procs, base_url, model, level, n_requests, args.max_tokens,
+                                         args.api_key)
+            else:
+                result = asyncio.run(run_level(base_url, model, level, n_requests, args.max_tokens, args.api_key))
             result.server = histogram_delta(before, server_histograms(root, headers))
             row = result.summary()
             rows.append(row)
@@ -257,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"base_url": base_url, "model": model, "max_tokens": args.max_tokens, "levels": rows}, f,
                           indent=2)
     finally:
+        if pool is not None:
+            pool.shutdown()
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=120)

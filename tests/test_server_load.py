@@ -107,3 +107,20 @@ def test_bucket_percentiles() -> None:
     assert bench.bucket_pct({0.1: 1.0, float("inf"): 2.0}, "p95") == float("inf")
     assert bench.bucket_pct({}, "p50") is None and bench.bucket_pct({float("inf"): 0.0}, "p50") is None
     assert bench.server_histograms("http://127.0.0.1:9", {}) is None  # nothing listening: no engine numbers
+
+
+def test_clients_spread_over_processes(base_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--procs: a level's clients and requests split over spawned processes, every request measured once,
+    the wall from the first start to the last end; the command line path too."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    bench = load_bench()
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the spawned workers import serve_load by name
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        result = bench.run_level_procs(pool, 2, base_url, "tiny", concurrency=3, n_requests=7, max_tokens=5)
+    assert result.requests == 7 and len(result.results) == 7
+    assert all(r.error is None and r.tokens == 5 for r in result.results)
+    assert result.wall > 0 and result.summary()["output_tok_s"] > 0
+    assert bench.main(["--base-url", base_url, "--levels", "2", "--requests-per-client", "1", "--max-tokens", "3",
+                       "--procs", "2"]) == 0
