@@ -32,12 +32,13 @@ class _Replayed:
 
     def capture(self, prepare, forward, pool=None):
         self._forward = forward
+        self.replayed = []  # the keys replayed, in order
         for key in reversed(self.keys):
             prepare(key)
             self._graphs[key] = (None, forward(key))
 
     def replay(self, key):
-        self.replayed = [*getattr(self, "replayed", []), key]
+        self.replayed.append(key)
         return self._forward(key)
 
 

@@ -5,8 +5,8 @@ offsets, rows to compute logits for, sampling parameters) is written into pinned
 allocated once, and copied to device buffers allocated once with asynchronous copies. A step
 that only decodes (one new token and one sample per sequence, no logprobs asked, at most the
 largest captured batch) replays a CUDA graph of the forward pass plus the sampling kernel, and so
-does a short prefill or mixed step (up to 512 tokens of up to 8 sequences, at most one sample
-each, no logprobs); any other step runs eagerly through the same kernels. The sampled token ids
+does a prefill or mixed step of up to 512 tokens (at most one sample per sequence, no logprobs);
+any other step runs eagerly through the same kernels. The sampled token ids
 and their logprobs (plus the logprob matrices when a request asked for them) come back in one
 device-to-host sync.
 """
