@@ -38,8 +38,6 @@ def _env_int(name: str, default: int) -> int:
 # 1.03-1.16x; gate_up ties alone but with PDL the whole step gains ~1%). Elsewhere cuBLAS ties or beats the
 # CUDA-core kernels (anything at 4+ rows), hence the tensor-core rule below for batches.
 GEMV_MAX_ROWS = 2
-# Experiment (session 19): cuBLAS calls of more rows than this run in row chunks of it (0: off).
-GEMM_ROW_CHUNK = _env_int("WLLM_GEMM_ROW_CHUNK", 0)
 # 3..GEMV_MMA_MAX_ROWS rows (batched decode) of a weight up to GEMV_MMA_MAX_WEIGHT_BYTES go to the skinny
 # GEMM's tensor-core kernel (SM 8.0+, K a multiple of 32). H200, CUDA graphs (benchmarks/kernels_gemv.py,
 # RESULTS.md session 6): Qwen2.5-0.5B's qkv / o / down at 4-16 rows 1.6-1.8x / 1.6-2.1x / 1.03-1.16x of
@@ -168,20 +166,9 @@ class Linear(nn.Module):
             return gemv(x, self.weight, self.bias)
         if self.use_sm90(x):
             return gemm_sm90(x, self.weight)
-        chunk = GEMM_ROW_CHUNK
-        rows = x.shape[0] if x.dim() == 2 else 0
         if residual is not None and self._adds_into(x, residual):
-            if 0 < chunk < rows:
-                for i in range(0, rows, chunk):
-                    residual[i : i + chunk].addmm_(x[i : i + chunk], self.weight.t())
-            else:
-                residual.addmm_(x, self.weight.t())
+            residual.addmm_(x, self.weight.t())
             return None
-        if 0 < chunk < rows and x.is_cuda and self.bias is None:
-            out = x.new_empty(rows, self.out_features)
-            for i in range(0, rows, chunk):
-                torch.mm(x[i : i + chunk], self.weight.t(), out=out[i : i + chunk])
-            return out
         return F.linear(x, self.weight, self.bias)
 
     def _adds_into(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
