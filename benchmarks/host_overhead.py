@@ -8,7 +8,7 @@ device->host sync, output processing, detokenization and stop checks. The step r
 CUDA graph replay costs the host next to nothing, so the forward launch phase is near zero.
 
     python benchmarks/host_overhead.py [--batch 1 64] [--steps 200] [--repeat 3] [--eager] [--profile N]
-                                       [--no-async-scheduling]
+                                       [--no-async-scheduling] [--skip N] [--logprobs K]
 
 Prints microseconds per decode step per phase (prefill steps are excluded) and, with --profile,
 the top N functions of a cProfile run of the same decode steps. With async scheduling (the
@@ -107,7 +107,7 @@ class PhaseTimer:
 
 
 def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bool = True,
-        final_only: bool = False) -> dict[str, float]:
+        final_only: bool = False, skip: int = 0, logprobs: int | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     engine = build_engine(batch, graphs, async_scheduling)
     cuda = engine.runner.cuda_runner
@@ -125,10 +125,10 @@ def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bo
     timer.wrap(engine, "_process_text", "detokenize/stop")
     timer.wrap(engine, "_make_output", "detokenize/stop")
     timer.wrap(engine, "step", "_step")
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 50, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=skip + 2 * steps + 50, ignore_eos=True, logprobs=logprobs)
     for i in range(batch):
         engine.add_request(f"r{i}", list(range(3, 3 + 32)), params, final_only=final_only)
-    for _ in range(3):  # the prefill and a couple of warm-up decode steps
+    for _ in range(3 + skip):  # the prefill, a couple of warm-up decode steps, and --skip more
         engine.step()
     decode_steps = steps
     timer.active = True
@@ -144,7 +144,8 @@ def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bo
     ns["engine loop rest"] = step_ns - sum(ns.values())
     us = {k: v / decode_steps / 1000 for k, v in ns.items()}
     us["TOTAL step"] = step_ns / decode_steps / 1000
-    assert engine.runner.cuda_runner.num_graph_steps >= (decode_steps if graphs else 0)
+    # Steps that return logprobs run eagerly (graphs return sampled ids and their logprobs only).
+    assert engine.runner.cuda_runner.num_graph_steps >= (decode_steps if graphs and logprobs is None else 0)
     us["steps run ahead (%)"] = 100.0 * engine.num_lookahead_steps / engine.num_steps
     if profile:
         prof = cProfile.Profile()
@@ -166,12 +167,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="finish each step before launching the next (no lookahead)")
     ap.add_argument("--final-only", action="store_true",
                     help="requests as LLM.generate adds them: outputs only when finished, text decoded at the end")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="decode steps run before timing starts (outputs that many tokens long when it does)")
+    ap.add_argument("--logprobs", type=int, default=None, help="every request asks for this many top logprobs")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs per batch size; the run with the lowest total is shown (shared machines are noisy)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     for batch in args.batch:
-        runs = [run(batch, args.steps, not args.eager, args.profile, args.async_scheduling, args.final_only)
+        runs = [run(batch, args.steps, not args.eager, args.profile, args.async_scheduling, args.final_only,
+                    args.skip, args.logprobs)
                 for _ in range(max(args.repeat, 1))]
         us = min(runs, key=lambda r: r["TOTAL step"])
         print(f"batch {batch}: host us per decode step ({args.steps} steps, best of {len(runs)})")

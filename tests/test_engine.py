@@ -14,6 +14,7 @@ from model_utils import VOCAB, hf_greedy, hf_logits, tiny_hf_model
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from wllm.engine.llm_engine import LLMEngine
 from wllm.model.loader import load_model
+from wllm.outputs import ListPrefix
 from wllm.sampling_params import SamplingParams
 
 MAX_TOKENS = 8
@@ -361,3 +362,57 @@ def test_bad_requests_get_clear_errors(tmp_path_factory):
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request("x", [3], SamplingParams(temperature=-1))
     assert_all_free(engine)
+
+
+def test_streamed_outputs_are_snapshots_without_per_step_copies(tmp_path_factory):
+    """A running request's outputs view the engine's growing token and logprob lists (no copy per step):
+    each keeps showing what it showed when it was made, slices take only the new part, and the final
+    output carries real lists equal to the streamed ones."""
+    model, _ = tiny("llama", tmp_path_factory)
+    engine = engine_for(model, budget=5)  # prompt logprobs over several chunks
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    prompt = make_prompts()[3]
+    engine.add_request("s", prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    *running, final = outs
+    assert running and final.finished
+    ids, lps = final.outputs[0].token_ids, final.outputs[0].logprobs
+    assert type(ids) is list and type(lps) is list and type(final.prompt_logprobs) is list
+    assert len(ids) == MAX_TOKENS and len(final.prompt_logprobs) == len(prompt)
+    sent = 0
+    for out in running:
+        c = out.outputs[0]
+        assert isinstance(c.token_ids, ListPrefix) and isinstance(c.logprobs, ListPrefix)
+        n = len(c.token_ids)
+        assert c.token_ids == ids[:n] and list(c.token_ids) == ids[:n] and ids[:n] == c.token_ids
+        assert c.logprobs == lps[:n] and len(c.logprobs) == n
+        assert c.token_ids[sent:] == ids[sent:n] and c.token_ids[-1] == ids[n - 1]
+        sent = n
+    assert sent == MAX_TOKENS - 1
+    assert_all_free(engine)
+
+
+def test_list_prefix_behaves_as_a_read_only_list_prefix():
+    items = [10, 11, 12, 13]
+    view = ListPrefix(items, 3)
+    items.append(14)  # the list grows underneath; the view keeps its length
+    assert len(view) == 3 and view == [10, 11, 12] and [10, 11, 12] == view and view != [10, 11, 12, 13]
+    assert view == (10, 11, 12) and view == ListPrefix([10, 11, 12, 99], 3)
+    assert view[0] == 10 and view[-1] == 12 and view[-3] == 10
+    for bad in (3, -4, 100):
+        with pytest.raises(IndexError):
+            view[bad]
+    assert view[1:] == [11, 12] and view[:] == [10, 11, 12] and view[5:] == [] and view[::-1] == [12, 11, 10]
+    assert view[-2:] == [11, 12] and view[::2] == [10, 12] and type(view[1:]) is list
+    assert list(view) == [10, 11, 12] and list(reversed(view)) == [12, 11, 10] and 12 in view and 13 not in view
+    assert view.index(11) == 1 and view.count(10) == 1 and repr(view) == "[10, 11, 12]"
+    assert len(ListPrefix(items)) == 5 and ListPrefix([], 0) == []
+    import pickle
+
+    assert pickle.loads(pickle.dumps(view)) == [10, 11, 12] and type(pickle.loads(pickle.dumps(view))) is list
+    with pytest.raises(TypeError):
+        hash(view)
+    with pytest.raises(TypeError):
+        view[0] = 1  # read-only

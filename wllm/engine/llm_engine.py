@@ -61,7 +61,7 @@ from wllm.engine.model_runner import ModelRunner, StepHandle, model_device
 from wllm.engine.request import RequestGroup, Sequence, SequenceStatus
 from wllm.engine.scheduler import Scheduler, SchedulerOutput
 from wllm.engine.stop_checker import TextState
-from wllm.outputs import CompletionOutput, RequestOutput
+from wllm.outputs import CompletionOutput, ListPrefix, RequestOutput
 from wllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -367,15 +367,17 @@ class LLMEngine:
         if finished and group.metrics.finished_time is None:
             group.metrics.finished_time = time.monotonic()
         want_lp = group.params.logprobs is not None
+        # Running: views of the append-only lists (O(1) per stream per step); finished: lists, copied once.
+        snap = list if finished else ListPrefix
         outs = []
         for seq in group.seqs:
             state = seq.text_state
             outs.append(CompletionOutput(
                 index=seq.index,
                 text=state.visible_text(seq.is_finished) if state is not None else "",
-                token_ids=list(seq.output_token_ids),
+                token_ids=snap(seq.output_token_ids),
                 cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                logprobs=snap(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             ))
@@ -386,7 +388,7 @@ class LLMEngine:
             outputs=outs,
             finished=finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
-            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            prompt_logprobs=snap(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
             metrics=group.metrics,
             error=group.error,
         )
