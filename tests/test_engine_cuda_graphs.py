@@ -194,14 +194,21 @@ def test_logprobs_on_the_gpu_match_the_cpu_engine(models):
     gpu, cpu, _, _ = models["llama"]
     prompts = make_prompts(4)
     params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True)
-    ours = make_engine(gpu, budget=5).generate(prompts, params)
+    engine = make_engine(gpu, budget=5)
+    ours = engine.generate(prompts, params)
+    # The decode steps replay graphs (their logprob matrices come from the graphs' shared logits buffer).
+    assert engine.runner.cuda_runner.num_graph_steps >= 4
+    eager = make_engine(gpu, budget=5, eager=True).generate(prompts, params)
     theirs = make_engine(cpu, budget=5).generate(prompts, params)
-    for a, b in zip(ours, theirs):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs, b.prompt_logprobs[1:] + b.outputs[0].logprobs):
-            assert (x.token_id, x.rank) == (y.token_id, y.rank)
+    for a, b, c in zip(ours, theirs, eager, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        for x, y, z in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs,
+                           b.prompt_logprobs[1:] + b.outputs[0].logprobs,
+                           c.prompt_logprobs[1:] + c.outputs[0].logprobs, strict=True):
+            assert (x.token_id, x.rank) == (y.token_id, y.rank) == (z.token_id, z.rank)
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
-            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+            assert x.logprob == pytest.approx(z.logprob, abs=1e-5)
+            assert [t.token_id for t in x.top] == [t.token_id for t in y.top] == [t.token_id for t in z.top]
 
 
 def test_kv_cache_sized_by_profiling_with_the_kernel_path(models):

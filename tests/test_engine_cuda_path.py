@@ -217,6 +217,38 @@ def test_kernel_path_logprobs_match_the_cpu_engine(tmp_path_factory):
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
 
 
+
+def _assert_same_logprobs(got, want):
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert (got.outputs[0].logprobs is None) == (want.outputs[0].logprobs is None)
+    for x, y in zip(got.outputs[0].logprobs or [], want.outputs[0].logprobs or [], strict=True):
+        assert (x.token_id, x.rank) == (y.token_id, y.rank)
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
+        assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+        assert [t.logprob for t in x.top] == pytest.approx([t.logprob for t in y.top], abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])  # gemma2: the final logit softcap, written in place
+def test_decode_graphs_serve_logprob_requests_as_the_eager_path_does(name, tmp_path_factory):
+    """Decode steps whose requests ask for logprobs replay the decode graphs (their logits land in the shared
+    buffer the logprob matrices are computed from): every decode step is graphed, and tokens, logprobs, ranks
+    and top alternatives equal the eager kernel path's, beside requests that ask for none or fewer."""
+    torch.manual_seed(0)
+    model, _ = tiny(name, tmp_path_factory)
+    prompts = make_prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=[3, None, 0, 5, 1, None][i])
+              for i in range(6)]
+    params[4] = SamplingParams(temperature=1.0, top_k=20, seed=11, max_tokens=6, ignore_eos=True, logprobs=2)
+    graphed = graph_engine(model, seqs=8)
+    got = graphed.generate(prompts, params)
+    want = kernel_engine(model, seqs=8).generate(prompts, params)
+    runner = graphed.runner.cuda_runner
+    assert runner.num_graph_steps >= 5 and runner.num_eager_steps == 1  # the one prefill step
+    for a, b in zip(got, want, strict=True):
+        _assert_same_logprobs(a, b)
+    assert [len(s.top) for s in got[3].outputs[0].logprobs] == [5] * 6 and got[1].outputs[0].logprobs is None
+    assert_all_free(graphed)
+
 def _rows():
     base = dict(temperature=0.0, max_tokens=8)
     specs = [

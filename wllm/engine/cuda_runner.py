@@ -3,11 +3,12 @@
 Every input of a step (token ids, positions, slot mapping, block tables, context lengths, query
 offsets, rows to compute logits for, sampling parameters) is written into pinned host buffers
 allocated once, and copied to device buffers allocated once with asynchronous copies. A step
-that only decodes (one new token and one sample per sequence, no logprobs asked, at most the
-largest captured batch) replays a CUDA graph of the forward pass plus the sampling kernel, and so
-does a prefill or mixed step of up to 512 tokens (at most one sample per sequence, no logprobs);
-any other step runs eagerly through the same kernels. The sampled token ids
-and their logprobs (plus the logprob matrices when a request asked for them) come back in one
+that only decodes (one new token and one sample per sequence, at most the largest captured batch)
+replays a CUDA graph of the forward pass plus the sampling kernel; the graphs write their logits into
+one shared buffer, so the top-logprob matrices of requests that ask for logprobs are computed from it
+after the replay. A prefill or mixed step of up to 512 tokens (at most one sample per sequence, no
+logprobs) replays a graph too; any other step runs eagerly through the same kernels. The sampled token
+ids and their logprobs (plus the logprob matrices when a request asked for them) come back in one
 device-to-host sync.
 """
 
@@ -243,6 +244,10 @@ class CudaStepRunner:
         self.num_prefill_graph_steps = 0
         self.num_eager_steps = 0
         self.num_lookahead_steps = 0  # steps launched before the previous step's tokens reached the host
+        # The decode graphs' logits, one buffer for all (outside the graph pool, so a replay leaves them
+        # readable for the logprob matrices of the step's requests that asked for logprobs).
+        self.graph_logits = (torch.empty(self.graphs.max_size, config.vocab_size, dtype=torch.float32,
+                                         device=self.device) if sizes else None)
         if sizes:
             with torch.inference_mode():
                 # One pool, the graphs with the most rows first: the others reuse its memory.
@@ -282,11 +287,21 @@ class CudaStepRunner:
         ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
                                    decode=decode, max_seq_len=self.max_seq_len, workspace=self.workspace, **split)
         hidden = self.model(d["input_ids"], d["positions"], ctx)
-        if not decode:
-            hidden = hidden.index_select(0, self.inputs.logit_rows.dev[:seqs])
-        logits = self.model.compute_logits(hidden)
+        if decode:
+            logits = self.model.compute_logits(hidden, out=self._graph_logits(seqs))
+        else:
+            logits = self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows.dev[:seqs]))
         sampled, logprobs, _ = sample(logits, **self.sampling.static_kwargs(seqs, d["params_f32"], d["params_i64"]))
         return torch.stack((sampled.double(), logprobs.double()))
+
+    def _graph_logits(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the decode graphs' logits buffer (made on first use when stand-in graphs
+        were installed after construction, as the CPU tests do)."""
+        buf = self.graph_logits
+        if buf is None or buf.shape[0] < rows:
+            buf = self.graph_logits = torch.empty(max(rows, self.graphs.max_size), self.model.config.vocab_size,
+                                                  dtype=torch.float32, device=self.device)
+        return buf[:rows]
 
     # --------------------------------------------------------------------------------------- step
     def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
@@ -379,10 +394,10 @@ class CudaStepRunner:
 
         # A graph of the step's padded shape: b for a decode batch of b, else (tokens, sequences, mixed).
         key: int | tuple[int, int, bool] | None = None
-        if graphable and not want_logprobs:
+        if graphable:
             if one_token and len(rows) == num_seqs:
                 key = self.graphs.padded_size(num_seqs)
-            elif not one_token:
+            elif not one_token and not want_logprobs:
                 key = self.prefill_graphs.padded_shape(t, num_seqs, num_decode > 0)
         if key is not None:
             tokens_pad, seqs_pad = self._graph_shape(key)
@@ -402,6 +417,14 @@ class CudaStepRunner:
             if one_token:
                 packed = self.graphs.replay(key)
                 self.num_graph_steps += 1
+                if want_logprobs:
+                    # From the replay's logits, before any later step's replay rewrites them (stream order).
+                    assert self.graph_logits is not None
+                    index = torch.tensor(want_logprobs, dtype=torch.int64).to(self.device, non_blocking=True)
+                    top = max(rows[i].params.logprobs or 0 for i in want_logprobs)
+                    mat = logprob_matrix(self.graph_logits.index_select(0, index),
+                                         packed[0].index_select(0, index).long(), top)
+                    pending.host_sample = mat.to("cpu", non_blocking=True)
             else:
                 packed = self.prefill_graphs.replay(key)
                 self.num_prefill_graph_steps += 1
@@ -517,7 +540,7 @@ class CudaStepRunner:
             n = len(pending.rows)
             ids, lps = pending.host_packed.tolist()
             return self._results(pending.out, pending.rows, pending.owners, [int(x) for x in ids[:n]], lps[:n],
-                                 [], None, None)
+                                 pending.want_logprobs, pending.host_sample, None)
         assert pending.host_tokens is not None and pending.host_logprobs is not None
         return self._results(pending.out, pending.rows, pending.owners, pending.host_tokens.tolist(),
                              pending.host_logprobs.tolist(), pending.want_logprobs, pending.host_sample,

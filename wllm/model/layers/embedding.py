@@ -35,14 +35,22 @@ class VocabEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
-    """float32 logits [N, vocab] = hidden @ weight^T, then c * tanh(logits / c) when softcap = c."""
+def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 logits [N, vocab] = hidden @ weight^T, then c * tanh(logits / c) when softcap = c. With
+    `out` (float32 [N, vocab]) they are written there (the cast to float32 writes it: no extra pass)."""
     if (LM_HEAD_GEMV and hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
             and weight.dtype == hidden.dtype and 0 < hidden.numel() <= LM_HEAD_GEMV_MAX_ROWS * hidden.shape[-1]
             and weight.shape[1] <= GEMV_MAX_IN_FEATURES and kernels_available(hidden.device.index or 0)):
-        logits = gemv(hidden, weight).float()
+        raw = gemv(hidden, weight)
     else:
-        logits = F.linear(hidden, weight).float()
+        raw = F.linear(hidden, weight)
+    if out is None:
+        logits = raw.float()
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return logits
+    out.copy_(raw)
     if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+        out.div_(softcap).tanh_().mul_(softcap)
+    return out

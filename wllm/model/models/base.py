@@ -107,6 +107,6 @@ class ModelBase(nn.Module):
         module = self.get_submodule(param_name.rpartition(".")[0])
         return module if isinstance(module, MergedLinear) else None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for hidden states [N, hidden_size]."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [N, vocab] for hidden states [N, hidden_size], into `out` when given."""
         raise NotImplementedError(f"{type(self).__name__} has no language-model head")

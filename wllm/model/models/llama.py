@@ -211,10 +211,11 @@ class LlamaForCausalLM(ModelBase):
         """Hidden states [T, hidden] after the final norm for flattened tokens of a batch."""
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab]; final logit softcap applied when the config has one."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [N, vocab] (into `out` when given); final logit softcap applied when the config
+        has one."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return compute_logits(hidden, weight, self.config.final_logit_softcapping)
+        return compute_logits(hidden, weight, self.config.final_logit_softcapping, out)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
