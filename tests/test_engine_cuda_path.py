@@ -248,6 +248,16 @@ def test_decode_graphs_serve_logprob_requests_as_the_eager_path_does(name, tmp_p
         _assert_same_logprobs(a, b)
     assert [len(s.top) for s in got[3].outputs[0].logprobs] == [5] * 6 and got[1].outputs[0].logprobs is None
     assert_all_free(graphed)
+    # Prefill and mixed steps too (prompts arriving while others decode, chunked by a 7-token budget), from
+    # prefill graphs of up to 8 sequences (the decode graphs' largest batch: they share the logits buffer).
+    graphed = graph_engine(model, prefill=True, budget=7, seqs=8)
+    got = run_staggered(graphed, prompts, params)
+    want = run_staggered(kernel_engine(model, budget=7, seqs=8), prompts, params)
+    runner = graphed.runner.cuda_runner
+    assert runner.num_prefill_graph_steps >= 5 and runner.num_graph_steps >= 3 and runner.num_eager_steps == 0
+    for a, b in zip(got, want, strict=True):
+        _assert_same_logprobs(a, b)
+    assert_all_free(graphed)
 
 def _rows():
     base = dict(temperature=0.0, max_tokens=8)
@@ -332,9 +342,10 @@ def test_enforce_eager_flag_on_serve_and_generate():
     assert not parser.parse_args(["generate", "hi"]).enforce_eager
 
 
-def test_prefill_graphs_leave_forks_and_logprob_steps_eager(tmp_path_factory):
-    """With prefill-step graphs installed, a prompt forking n > 1 sequences and one asking for (prompt)
-    logprobs still run their prefill eagerly and give what the eager path gives; a plain one is graphed."""
+def test_prefill_graphs_leave_forks_and_prompt_logprob_steps_eager(tmp_path_factory):
+    """With prefill-step graphs installed, a prompt forking n > 1 sequences and one asking for prompt
+    logprobs still run their prefill eagerly and give what the eager path gives; a plain one and one asking
+    for logprobs of its samples are graphed."""
     torch.manual_seed(0)
     model, _ = tiny("llama", tmp_path_factory)
     prompt = make_prompts()[1]
@@ -348,7 +359,7 @@ def test_prefill_graphs_leave_forks_and_logprob_steps_eager(tmp_path_factory):
         (want,) = kernel_engine(model, seqs=8, caching=False).generate([prompt], params)
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
         assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
-        assert (graphed.runner.cuda_runner.num_prefill_graph_steps > 0) == (i == len(cases) - 1)
+        assert (graphed.runner.cuda_runner.num_prefill_graph_steps > 0) == (i in (1, 3))
         assert_all_free(graphed)
 
 

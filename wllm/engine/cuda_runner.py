@@ -4,10 +4,11 @@ Every input of a step (token ids, positions, slot mapping, block tables, context
 offsets, rows to compute logits for, sampling parameters) is written into pinned host buffers
 allocated once, and copied to device buffers allocated once with asynchronous copies. A step
 that only decodes (one new token and one sample per sequence, at most the largest captured batch)
-replays a CUDA graph of the forward pass plus the sampling kernel; the graphs write their logits into
-one shared buffer, so the top-logprob matrices of requests that ask for logprobs are computed from it
-after the replay. A prefill or mixed step of up to 512 tokens (at most one sample per sequence, no
-logprobs) replays a graph too; any other step runs eagerly through the same kernels. The sampled token
+replays a CUDA graph of the forward pass plus the sampling kernel, and so does a prefill or mixed step
+of up to 512 tokens (at most one sample per sequence, no prompt logprobs); any other step runs eagerly
+through the same kernels. The decode graphs, and the prefill graphs of at most as many sequences, write
+their logits into one shared buffer, so the logprob matrices of requests that ask for logprobs are
+computed from it after the replay. The sampled token
 ids and their logprobs (plus the logprob matrices when a request asked for them) come back in one
 device-to-host sync.
 """
@@ -244,8 +245,8 @@ class CudaStepRunner:
         self.num_prefill_graph_steps = 0
         self.num_eager_steps = 0
         self.num_lookahead_steps = 0  # steps launched before the previous step's tokens reached the host
-        # The decode graphs' logits, one buffer for all (outside the graph pool, so a replay leaves them
-        # readable for the logprob matrices of the step's requests that asked for logprobs).
+        # The graphs' logits (decode graphs, prefill graphs of at most as many sequences), one buffer for all,
+        # outside the graph pool: a replay leaves them readable for the logprob matrices of its step.
         self.graph_logits = (torch.empty(self.graphs.max_size, config.vocab_size, dtype=torch.float32,
                                          device=self.device) if sizes else None)
         if sizes:
@@ -287,12 +288,16 @@ class CudaStepRunner:
         ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
                                    decode=decode, max_seq_len=self.max_seq_len, workspace=self.workspace, **split)
         hidden = self.model(d["input_ids"], d["positions"], ctx)
-        if decode:
-            logits = self.model.compute_logits(hidden, out=self._graph_logits(seqs))
-        else:
-            logits = self.model.compute_logits(hidden.index_select(0, self.inputs.logit_rows.dev[:seqs]))
+        if not decode:
+            hidden = hidden.index_select(0, self.inputs.logit_rows.dev[:seqs])
+        logits = self.model.compute_logits(hidden, out=self._graph_logits(seqs) if self._logits_shared(seqs) else None)
         sampled, logprobs, _ = sample(logits, **self.sampling.static_kwargs(seqs, d["params_f32"], d["params_i64"]))
         return torch.stack((sampled.double(), logprobs.double()))
+
+    def _logits_shared(self, seqs: int) -> bool:
+        """Whether a graph of `seqs` sequences writes its logits into the shared buffer (every decode graph, and
+        the prefill graphs of at most as many sequences): its steps can serve requests that ask for logprobs."""
+        return seqs <= self.graphs.max_size
 
     def _graph_logits(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the decode graphs' logits buffer (made on first use when stand-in graphs
@@ -397,8 +402,10 @@ class CudaStepRunner:
         if graphable:
             if one_token and len(rows) == num_seqs:
                 key = self.graphs.padded_size(num_seqs)
-            elif not one_token and not want_logprobs:
+            elif not one_token:
                 key = self.prefill_graphs.padded_shape(t, num_seqs, num_decode > 0)
+                if key is not None and want_logprobs and not self._logits_shared(key[1]):
+                    key = None  # this graph's logits are its own: no logprob matrices from them
         if key is not None:
             tokens_pad, seqs_pad = self._graph_shape(key)
             layout = self.inputs.layout(tokens_pad, seqs_pad, seqs_pad)
@@ -417,17 +424,15 @@ class CudaStepRunner:
             if one_token:
                 packed = self.graphs.replay(key)
                 self.num_graph_steps += 1
-                if want_logprobs:
-                    # From the replay's logits, before any later step's replay rewrites them (stream order).
-                    assert self.graph_logits is not None
-                    index = torch.tensor(want_logprobs, dtype=torch.int64).to(self.device, non_blocking=True)
-                    top = max(rows[i].params.logprobs or 0 for i in want_logprobs)
-                    mat = logprob_matrix(self.graph_logits.index_select(0, index),
-                                         packed[0].index_select(0, index).long(), top)
-                    pending.host_sample = mat.to("cpu", non_blocking=True)
             else:
                 packed = self.prefill_graphs.replay(key)
                 self.num_prefill_graph_steps += 1
+            if want_logprobs:
+                # From the replay's logits (sampling row i = logits row i), queued before any later step's
+                # replay rewrites them.
+                assert self.graph_logits is not None
+                mat = _logprob_matrix(self.graph_logits, packed[0], rows, want_logprobs, self.device)
+                pending.host_sample = mat.to("cpu", non_blocking=True)
             # The step's one device-to-host copy: ids and logprobs in one fp64 matrix.
             found = self._host_graph_out.get((seqs_pad, parity))
             if found is None:
@@ -577,11 +582,7 @@ class CudaStepRunner:
             return empty, empty.float(), prompt_mat, None
         sample_logits = logits[num_prompt:]
         tokens, logprobs, _ = sample(sample_logits, **sampling)
-        sample_mat = None
-        if want_logprobs:
-            top = max(rows[i].params.logprobs or 0 for i in want_logprobs)
-            index = torch.tensor(want_logprobs, dtype=torch.int64).to(self.device, non_blocking=True)
-            sample_mat = logprob_matrix(sample_logits.index_select(0, index), tokens.index_select(0, index), top)
+        sample_mat = _logprob_matrix(sample_logits, tokens, rows, want_logprobs, self.device) if want_logprobs else None
         return tokens, logprobs, prompt_mat, sample_mat
 
     @staticmethod
@@ -605,6 +606,15 @@ class CudaStepRunner:
             else:
                 results[owner].sampled.append(SampledToken(token, float(logprobs[i])))
         return results
+
+
+def _logprob_matrix(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow], want: list[int],
+                    device: torch.device) -> torch.Tensor:
+    """The logprob matrix (see gpu_sampler.logprob_matrix) of the sampling rows in `want` (indices into rows,
+    logits and the sampled tokens), at the largest top-N any of them asked for."""
+    top = max(rows[i].params.logprobs or 0 for i in want)
+    index = torch.tensor(want, dtype=torch.int64).to(device, non_blocking=True)
+    return logprob_matrix(logits.index_select(0, index), tokens.index_select(0, index).long(), top)
 
 
 def _stage(layout: StageLayout) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
