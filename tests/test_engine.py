@@ -399,7 +399,7 @@ def test_list_prefix_behaves_as_a_read_only_list_prefix():
     view = ListPrefix(items, 3)
     items.append(14)  # the list grows underneath; the view keeps its length
     assert len(view) == 3 and view == [10, 11, 12] and [10, 11, 12] == view and view != [10, 11, 12, 13]
-    assert view == (10, 11, 12) and view == ListPrefix([10, 11, 12, 99], 3)
+    assert view != (10, 11, 12) and view == ListPrefix([10, 11, 12, 99], 3)  # a list is not equal to a tuple
     assert view[0] == 10 and view[-1] == 12 and view[-3] == 10
     for bad in (3, -4, 100):
         with pytest.raises(IndexError):

@@ -51,7 +51,7 @@ class ListPrefix(Sequence[T]):
         return itertools.islice(self._items, self._n)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, (list, tuple, ListPrefix)):
+        if isinstance(other, (list, ListPrefix)):  # as a list: never equal to a tuple
             return len(other) == self._n and all(a == b for a, b in zip(self, other))
         return NotImplemented
 

@@ -8,9 +8,8 @@ replays a CUDA graph of the forward pass plus the sampling kernel, and so does a
 of up to 512 tokens (at most one sample per sequence, no prompt logprobs); any other step runs eagerly
 through the same kernels. The decode graphs, and the prefill graphs of at most as many sequences, write
 their logits into one shared buffer, so the logprob matrices of requests that ask for logprobs are
-computed from it after the replay. The sampled token
-ids and their logprobs (plus the logprob matrices when a request asked for them) come back in one
-device-to-host sync.
+computed from it after the replay. The sampled token ids and their logprobs (plus the logprob
+matrices when a request asked for them) come back in one device-to-host sync.
 """
 
 from __future__ import annotations
@@ -300,7 +299,7 @@ class CudaStepRunner:
         return seqs <= self.graphs.max_size
 
     def _graph_logits(self, rows: int) -> torch.Tensor:
-        """The first `rows` rows of the decode graphs' logits buffer (made on first use when stand-in graphs
+        """The first `rows` rows of the graphs' shared logits buffer (made on first use when stand-in graphs
         were installed after construction, as the CPU tests do)."""
         buf = self.graph_logits
         if buf is None or buf.shape[0] < rows:
