@@ -124,3 +124,4 @@ def test_clients_spread_over_processes(base_url: str, monkeypatch: pytest.Monkey
     assert result.wall > 0 and result.summary()["output_tok_s"] > 0
     assert bench.main(["--base-url", base_url, "--levels", "2", "--requests-per-client", "1", "--max-tokens", "3",
                        "--procs", "2"]) == 0
+    assert [bench.default_procs(n) for n in (None, 1, 2, 3, 8, 16, 64)] == [1, 1, 1, 1, 4, 8, 8]
