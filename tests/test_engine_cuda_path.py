@@ -259,6 +259,28 @@ def test_decode_graphs_serve_logprob_requests_as_the_eager_path_does(name, tmp_p
         _assert_same_logprobs(a, b)
     assert_all_free(graphed)
 
+
+def test_prefill_graphs_serve_prompts_that_fork_n_sequences(tmp_path_factory):
+    """A prompt forking n > 1 sequences samples n rows from its last token; its prefill or mixed step replays a
+    graph with room for every sampling row (more rows than sequences), and every sequence of every request
+    equals the eager kernel path's, seeded, with prompts arriving while others decode."""
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    prompts = make_prompts(5)
+    params = [SamplingParams(n=n, temperature=1.0, top_p=0.9, seed=20 + i, max_tokens=5, ignore_eos=True)
+              for i, n in enumerate([1, 3, 2, 4, 1])]
+    graphed = graph_engine(model, prefill=True, budget=16, seqs=16)
+    got = run_staggered(graphed, prompts, params, per_step=1)
+    want = run_staggered(kernel_engine(model, budget=16, seqs=16), prompts, params, per_step=1)
+    runner = graphed.runner.cuda_runner
+    assert runner.num_eager_steps == 0 and runner.num_prefill_graph_steps >= 5
+    assert any(s > 1 for _, s, _ in runner.prefill_graphs.replayed)
+    for a, b in zip(got, want, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert [len(o.outputs) for o in got] == [1, 3, 2, 4, 1]
+    assert len({tuple(c.token_ids) for c in got[3].outputs}) > 1  # the forks sample apart
+    assert_all_free(graphed)
+
 def _rows():
     base = dict(temperature=0.0, max_tokens=8)
     specs = [
@@ -342,10 +364,10 @@ def test_enforce_eager_flag_on_serve_and_generate():
     assert not parser.parse_args(["generate", "hi"]).enforce_eager
 
 
-def test_prefill_graphs_leave_forks_and_prompt_logprob_steps_eager(tmp_path_factory):
-    """With prefill-step graphs installed, a prompt forking n > 1 sequences and one asking for prompt
-    logprobs still run their prefill eagerly and give what the eager path gives; a plain one and one asking
-    for logprobs of its samples are graphed."""
+def test_prefill_graphs_leave_prompt_logprob_steps_eager(tmp_path_factory):
+    """With prefill-step graphs installed, a prompt asking for prompt logprobs still runs its prefill eagerly;
+    a prompt forking n > 1 sequences (n sampling rows from its last token), one asking for logprobs of its
+    samples and a plain one are graphed; each gives what the eager path gives."""
     torch.manual_seed(0)
     model, _ = tiny("llama", tmp_path_factory)
     prompt = make_prompts()[1]
@@ -359,7 +381,7 @@ def test_prefill_graphs_leave_forks_and_prompt_logprob_steps_eager(tmp_path_fact
         (want,) = kernel_engine(model, seqs=8, caching=False).generate([prompt], params)
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
         assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
-        assert (graphed.runner.cuda_runner.num_prefill_graph_steps > 0) == (i in (1, 3))
+        assert (graphed.runner.cuda_runner.num_prefill_graph_steps > 0) == (i != 2)
         assert_all_free(graphed)
 
 

@@ -5,10 +5,10 @@ offsets, rows to compute logits for, sampling parameters) is written into pinned
 allocated once, and copied to device buffers allocated once with asynchronous copies. A step
 that only decodes (one new token and one sample per sequence, at most the largest captured batch)
 replays a CUDA graph of the forward pass plus the sampling kernel, and so does a prefill or mixed step
-of up to 512 tokens (at most one sample per sequence, no prompt logprobs); any other step runs eagerly
-through the same kernels. The decode graphs, and the prefill graphs of at most as many sequences, write
-their logits into one shared buffer, so the logprob matrices of requests that ask for logprobs are
-computed from it after the replay. The sampled token ids and their logprobs (plus the logprob
+of up to 512 tokens (no prompt logprobs; a prompt forking n sequences takes n sampling rows); any other
+step runs eagerly through the same kernels. The decode graphs, and the prefill graphs of at most as
+many sequences, write their logits into one shared buffer, so the logprob matrices of requests that ask
+for logprobs are computed from it after the replay. The sampled token ids and their logprobs (plus the logprob
 matrices when a request asked for them) come back in one device-to-host sync.
 """
 
@@ -357,12 +357,12 @@ class CudaStepRunner:
             src_rows, dst_tokens, per_seq = prev_rows, list(range(len(seqs))), False
         t = 0
         one_token = True  # every sequence has one new token: the decode kernel serves the step
-        graphable = True  # each sequence samples at most once, without prompt logprobs: a graph can replay it
+        graphable = True  # no prompt logprobs (their logits rows are a prompt's tokens): a graph can replay it
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             if n != 1:
                 one_token = False
-            if s.num_samples > 1 or s.prompt_logprob_targets:
+            if s.prompt_logprob_targets:
                 graphable = False
             if s.prompt_logprob_targets:
                 first = t + s.prompt_logprob_start - s.start_pos
@@ -402,7 +402,9 @@ class CudaStepRunner:
             if one_token and len(rows) == num_seqs:
                 key = self.graphs.padded_size(num_seqs)
             elif not one_token:
-                key = self.prefill_graphs.padded_shape(t, num_seqs, num_decode > 0)
+                # A prompt forking n > 1 sequences samples n rows from its last token: a shape with room for
+                # every sampling row (sequence slots past the real ones are padding).
+                key = self.prefill_graphs.padded_shape(t, max(num_seqs, len(rows)), num_decode > 0)
                 if key is not None and want_logprobs and not self._logits_shared(key[1]):
                     key = None  # this graph's logits are its own: no logprob matrices from them
         if key is not None:
