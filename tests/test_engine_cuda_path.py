@@ -218,14 +218,16 @@ def test_kernel_path_logprobs_match_the_cpu_engine(tmp_path_factory):
 
 
 
-def _assert_same_logprobs(got, want):
-    assert got.outputs[0].token_ids == want.outputs[0].token_ids
-    assert (got.outputs[0].logprobs is None) == (want.outputs[0].logprobs is None)
-    for x, y in zip(got.outputs[0].logprobs or [], want.outputs[0].logprobs or [], strict=True):
-        assert (x.token_id, x.rank) == (y.token_id, y.rank)
-        assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
-        assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
-        assert [t.logprob for t in x.top] == pytest.approx([t.logprob for t in y.top], abs=1e-5)
+def _assert_same_logprobs(got, want, tol=1e-5):
+    """Every sequence of two outputs of one request: the same tokens, logprobs, ranks and top alternatives."""
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    for a, b in zip(got.outputs, want.outputs, strict=True):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+            assert (x.token_id, x.rank) == (y.token_id, y.rank)
+            assert x.logprob == pytest.approx(y.logprob, abs=tol)
+            assert [t.token_id for t in x.top] == [t.token_id for t in y.top]
+            assert [t.logprob for t in x.top] == pytest.approx([t.logprob for t in y.top], abs=tol)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])  # gemma2: the final logit softcap, written in place
@@ -276,9 +278,61 @@ def test_prefill_graphs_serve_prompts_that_fork_n_sequences(tmp_path_factory):
     assert runner.num_eager_steps == 0 and runner.num_prefill_graph_steps >= 5
     assert any(s > 1 for _, s, _ in runner.prefill_graphs.replayed)
     for a, b in zip(got, want, strict=True):
-        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        _assert_same_logprobs(a, b)
     assert [len(o.outputs) for o in got] == [1, 3, 2, 4, 1]
     assert len({tuple(c.token_ids) for c in got[3].outputs}) > 1  # the forks sample apart
+    assert_all_free(graphed)
+
+
+def _run_by_id(engine, prompts, params):
+    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, sp)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_a_one_token_fork_beside_a_one_token_chunk_is_not_a_decode_step(tmp_path_factory):
+    """Every sequence with one new token but sampling rows that are not one per sequence (a one-token prompt
+    forking 2 beside a mid-prompt one-token chunk that samples nothing: 2 rows for 2 sequences) must not take a
+    decode graph, whose row i is sequence i (found in review: the fork sampled from the other prompt's row)."""
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    prompts = [[5], make_prompts(1)[0]]
+    params = [SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
+    got = _run_by_id(graph_engine(model, prefill=True, budget=2, seqs=8), prompts, params)
+    want = _run_by_id(kernel_engine(model, budget=2, seqs=8), prompts, params)
+    for a, b in zip(got, want, strict=True):
+        _assert_same_logprobs(a, b)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_graph_steps_equal_eager_steps_on_random_mixes(seed, tmp_path_factory):
+    """Random short and one-token prompts, n 1-3, greedy and seeded sampling, logprobs or not, token budgets from
+    2 tokens, staggered arrivals: with decode and prefill graphs installed every request's sequences, tokens and
+    logprobs equal the eager kernel path's."""
+    import random
+
+    rng = random.Random(seed)
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    k = rng.randint(3, 8)
+    prompts = [p[: rng.choice([1, 2, 3, len(p)])] for p in make_prompts(k, seed=seed + 1)]
+    params = [SamplingParams(n=rng.choice([1, 1, 2, 3]), temperature=rng.choice([0.0, 1.0]), seed=100 + i,
+                             max_tokens=rng.randint(2, 6), ignore_eos=True, logprobs=rng.choice([None, 0, 2]))
+              for i in range(k)]
+    budget, seqs, per = rng.choice([2, 3, 5, 7, 16]), rng.choice([4, 8, 16]), rng.choice([1, 2])
+    graphed = graph_engine(model, prefill=True, budget=budget, seqs=seqs, caching=rng.choice([True, False]))
+    got = run_staggered(graphed, prompts, params, per_step=per)
+    want = run_staggered(kernel_engine(model, budget=budget, seqs=seqs), prompts, params, per_step=per)
+    runner = graphed.runner.cuda_runner
+    assert runner.num_graph_steps + runner.num_prefill_graph_steps > 0
+    for a, b in zip(got, want, strict=True):
+        _assert_same_logprobs(a, b, tol=1e-4)
     assert_all_free(graphed)
 
 def _rows():

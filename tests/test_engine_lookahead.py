@@ -81,8 +81,8 @@ def assert_same(a, b):
 
 
 def mixed_params():
-    """Greedy and seeded requests of varied lengths, plus the kinds that cannot run ahead (logprobs,
-    penalties) or that stage extra sampling inputs (min_tokens bans, logit_bias), and n=2."""
+    """Greedy and seeded requests of varied lengths, logprobs, plus the kind that cannot run ahead (penalties)
+    or that stage extra sampling inputs (min_tokens bans, logit_bias), and n=2."""
     return [
         SamplingParams(temperature=0.0, max_tokens=12),
         SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=9),
@@ -222,10 +222,14 @@ def test_preemption_pressure(make, cpu_blocks):
     assert engine.num_lookahead_steps > 0
 
 
-def test_penalties_and_logprobs_never_run_ahead(make):
+def test_penalties_never_run_ahead_and_logprobs_do(make):
     prompts = make_prompts(2)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3)
+    engine = make(True, seqs=4)
+    assert_same(engine.generate(prompts, params), make(False).generate(prompts, params))
+    assert engine.num_lookahead_steps >= 4  # a logprob matrix needs only the step's own sample, on the device
     for params in (SamplingParams(temperature=0.0, max_tokens=6, presence_penalty=0.5),
-                   SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)):
+                   SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.2, logprobs=1)):
         engine = make(True, seqs=4)
         sched, plan, reasons = engine.scheduler, engine.scheduler.schedule_lookahead, set()
 
@@ -238,7 +242,7 @@ def test_penalties_and_logprobs_never_run_ahead(make):
         sched.schedule_lookahead = planned
         assert_same(engine.generate(prompts, params), make(False).generate(prompts, params))
         assert engine.num_lookahead_steps == 0
-        assert reasons == {"logprobs or penalties", "nothing left to run"}  # the scheduler names its refusals
+        assert reasons == {"penalties", "nothing left to run"}  # the scheduler names its refusals
 
 
 def test_a_failing_step_ahead_fails_its_requests_as_in_step(make, tmp_path_factory, caplog):

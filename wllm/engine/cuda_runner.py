@@ -357,14 +357,16 @@ class CudaStepRunner:
             src_rows, dst_tokens, per_seq = prev_rows, list(range(len(seqs))), False
         t = 0
         one_token = True  # every sequence has one new token: the decode kernel serves the step
+        one_row_each = True  # every sequence samples once: sampling row i is sequence i (what a decode graph does)
         graphable = True  # no prompt logprobs (their logits rows are a prompt's tokens): a graph can replay it
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
             if n != 1:
                 one_token = False
+            if s.num_samples != 1:
+                one_row_each = False
             if s.prompt_logprob_targets:
                 graphable = False
-            if s.prompt_logprob_targets:
                 first = t + s.prompt_logprob_start - s.start_pos
                 prompt_rows.extend(range(first, first + len(s.prompt_logprob_targets)))
             if per_seq and prev_rows[i] >= 0:
@@ -399,7 +401,7 @@ class CudaStepRunner:
         # A graph of the step's padded shape: b for a decode batch of b, else (tokens, sequences, mixed).
         key: int | tuple[int, int, bool] | None = None
         if graphable:
-            if one_token and len(rows) == num_seqs:
+            if one_token and one_row_each:
                 key = self.graphs.padded_size(num_seqs)
             elif not one_token:
                 # A prompt forking n > 1 sequences samples n rows from its last token: a shape with room for

@@ -22,7 +22,7 @@ first what applying N does to the pool: it registers the blocks N completes in t
 (those are left out of N+1). So pure decode, prefill and mixed steps all run ahead, and with every
 request queued up front and no value-based ends the steps are the ones planned in turn. It runs in
 turn instead when it cannot be exact: block copies pending or sequences swapped out, N forks (n > 1),
-a sequence would need preempting, a decode row wants logprobs or penalties, a prompt chunk wants
+a sequence would need preempting, a decode row wants penalties, a prompt chunk wants
 prompt logprobs, or a waiting request that could be admitted reuses the id of one in N.
 N+1's sampling rows count N's token (the random stream is keyed by the output position, so seeded
 results are the same as in turn). Sequences that N ends by value (EOS, a stop token or string) or

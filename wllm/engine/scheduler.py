@@ -340,8 +340,8 @@ class Scheduler:
 
         None (the step is planned by `schedule()` after prev is applied) when that cannot be exact
         or safe: block copies pending or sequences swapped out, prev forks a sequence (n > 1), a
-        sequence would need preempting, a decode row wants logprobs or penalties (its inputs need
-        prev's token value), a sequence wants prompt logprobs, or a waiting sequence that could be
+        sequence would need preempting, a decode row wants penalties (their counts need prev's token
+        value on the host), a sequence wants prompt logprobs, or a waiting sequence that could be
         admitted reuses the id of one in prev (an aborted request's id, taken again).
         """
         if self._pending_copies or self.swapped or not self.running:
@@ -398,9 +398,8 @@ class Scheduler:
                 if seq.group.prompt_logprobs is not None and computed < seq.num_prompt_tokens:
                     # which positions it reports depends on prev's prompt logprobs
                     return self._refuse("prompt logprobs")
-            elif p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
-                    p.presence_penalty != 0.0:
-                return self._refuse("logprobs or penalties")
+            elif p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                return self._refuse("penalties")  # their counts need prev's token on the host
             plan.append((seq, computed, num_new, prev_row))
             budget -= num_new
         may_admit = budget > 0 and num_running < max_seqs and len(self.waiting) > 0
