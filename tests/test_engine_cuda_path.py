@@ -284,17 +284,6 @@ def test_prefill_graphs_serve_prompts_that_fork_n_sequences(tmp_path_factory):
     assert_all_free(graphed)
 
 
-def _run_by_id(engine, prompts, params):
-    for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", prompt, sp)
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[f"r{i}"] for i in range(len(prompts))]
-
-
 def test_a_one_token_fork_beside_a_one_token_chunk_is_not_a_decode_step(tmp_path_factory):
     """Every sequence with one new token but sampling rows that are not one per sequence (a one-token prompt
     forking 2 beside a mid-prompt one-token chunk that samples nothing: 2 rows for 2 sequences) must not take a
@@ -304,8 +293,8 @@ def test_a_one_token_fork_beside_a_one_token_chunk_is_not_a_decode_step(tmp_path
     prompts = [[5], make_prompts(1)[0]]
     params = [SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
-    got = _run_by_id(graph_engine(model, prefill=True, budget=2, seqs=8), prompts, params)
-    want = _run_by_id(kernel_engine(model, budget=2, seqs=8), prompts, params)
+    got = graph_engine(model, prefill=True, budget=2, seqs=8).generate(prompts, params)
+    want = kernel_engine(model, budget=2, seqs=8).generate(prompts, params)
     for a, b in zip(got, want, strict=True):
         _assert_same_logprobs(a, b)
 

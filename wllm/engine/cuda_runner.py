@@ -8,8 +8,8 @@ replays a CUDA graph of the forward pass plus the sampling kernel, and so does a
 of up to 512 tokens (no prompt logprobs; a prompt forking n sequences takes n sampling rows); any other
 step runs eagerly through the same kernels. The decode graphs, and the prefill graphs of at most as
 many sequences, write their logits into one shared buffer, so the logprob matrices of requests that ask
-for logprobs are computed from it after the replay. The sampled token ids and their logprobs (plus the logprob
-matrices when a request asked for them) come back in one device-to-host sync.
+for logprobs are computed from it after the replay. The sampled token ids and their logprobs (plus the
+logprob matrices when a request asked for them) come back in one device-to-host sync.
 """
 
 from __future__ import annotations
@@ -246,9 +246,9 @@ class CudaStepRunner:
         self.num_lookahead_steps = 0  # steps launched before the previous step's tokens reached the host
         # The graphs' logits (decode graphs, prefill graphs of at most as many sequences), one buffer for all,
         # outside the graph pool: a replay leaves them readable for the logprob matrices of its step.
-        self.graph_logits = (torch.empty(self.graphs.max_size, config.vocab_size, dtype=torch.float32,
-                                         device=self.device) if sizes else None)
+        self.graph_logits: torch.Tensor | None = None
         if sizes:
+            self._graph_logits(self.graphs.max_size)  # before capture, on this stream
             with torch.inference_mode():
                 # One pool, the graphs with the most rows first: the others reuse its memory.
                 pool = torch.cuda.graph_pool_handle()
@@ -299,8 +299,8 @@ class CudaStepRunner:
         return seqs <= self.graphs.max_size
 
     def _graph_logits(self, rows: int) -> torch.Tensor:
-        """The first `rows` rows of the graphs' shared logits buffer (made on first use when stand-in graphs
-        were installed after construction, as the CPU tests do)."""
+        """The first `rows` rows of the graphs' shared logits buffer, made with room for the largest decode
+        batch (at construction; on first use when stand-in graphs were installed later, as the CPU tests do)."""
         buf = self.graph_logits
         if buf is None or buf.shape[0] < rows:
             buf = self.graph_logits = torch.empty(max(rows, self.graphs.max_size), self.model.config.vocab_size,

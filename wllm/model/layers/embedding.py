@@ -45,12 +45,7 @@ def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | 
         raw = gemv(hidden, weight)
     else:
         raw = F.linear(hidden, weight)
-    if out is None:
-        logits = raw.float()
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits
-    out.copy_(raw)
+    logits = raw.float() if out is None else out.copy_(raw)  # a fresh fp32 tensor either way: capped in place
     if softcap is not None:
-        out.div_(softcap).tanh_().mul_(softcap)
-    return out
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
