@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_engine import engine_for, make_prompts, tiny
 
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig, default_batched_tokens
 from wllm.engine.llm_engine import LLMEngine
+from wllm.model.loader import load_model
 from wllm.sampling_params import SamplingParams
 
 
@@ -57,6 +60,68 @@ def test_engine_start_freezes_long_lived_objects_out_of_the_cyclic_gc(tmp_path_f
     frozen = gc.get_freeze_count()
     assert frozen > 1000
     assert gc.is_tracked(model) and len(gc.get_objects(generation=2)) < frozen
+
+
+TINY_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "vocab_size": 300,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+def test_close_frees_an_engine_caught_in_a_cycle_and_refuses_more_work(tmp_path_factory, monkeypatch):
+    """An engine frozen at start-up and then caught in a reference cycle (a callback stored on it that
+    refers back to it) is never collected; `close` drops its model and caches at once, collects the
+    cycle, aborts what was queued, and turns later calls into a clear error."""
+    import gc
+    import weakref
+
+    from wllm.engine import EngineClosedError
+
+    from wllm.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "_open_engines", weakref.WeakSet())  # engines other tests left open don't count
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("close")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA_CONFIG), encoding="utf-8")
+    model = load_model(folder, dtype="float32", load_format="dummy").model  # this test's own: not cached
+    engine = LLMEngine(model, None, EngineConfig())
+    other = LLMEngine(tiny("llama", tmp_path_factory)[0], None, EngineConfig())  # still open after the close
+    engine.callbacks = [engine]  # the cycle: engine -> its list -> engine
+    engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=4))
+    engine.step()
+    engine.add_request("b", [3, 4], SamplingParams(max_tokens=4))
+    cache, runner = weakref.ref(engine.runner.kv_cache), weakref.ref(engine.runner)
+    del model
+    model_ref = weakref.ref(engine.model)
+    engine_ref = weakref.ref(engine)
+    gc.collect()
+    assert model_ref() is not None and cache() is not None
+    engine.close()
+    engine.close()  # again: nothing
+    assert model_ref() is None and cache() is None and runner() is not None
+    assert not engine.has_unfinished()
+    with pytest.raises(EngineClosedError, match="closed"):
+        engine.add_request("c", [3], SamplingParams())
+    with pytest.raises(EngineClosedError):
+        engine.step()
+    assert gc.get_freeze_count() > 0  # `other` still runs: its objects are frozen again (the closed shell too)
+    del engine
+    assert other.generate([[3, 4, 5]], SamplingParams(max_tokens=2))[0].finished
+    other.close()  # the last open engine: nothing is frozen again, and the closed shell's cycle is collected
+    assert gc.get_freeze_count() == 0 and engine_ref() is None
+
+
+def test_llm_as_a_context_manager_closes_its_engine():
+    from wllm import LLM
+    from wllm.engine import EngineClosedError
+
+    with LLM("smollm2-135m", load_format="dummy", device="cpu", kv_cache_memory=1 << 20) as llm:
+        assert len(llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+    assert llm.engine.closed and llm.engine.model is None
+    with pytest.raises(EngineClosedError):
+        llm.generate([[3, 4]])
 
 
 class FakeGC:

@@ -3,12 +3,13 @@ sampler, and the synchronous (`LLMEngine`) and asyncio (`AsyncEngine`) fronts.""
 
 from wllm.engine.async_engine import AsyncEngine, EngineDeadError
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_kwargs
-from wllm.engine.llm_engine import LLMEngine
+from wllm.engine.llm_engine import EngineClosedError, LLMEngine
 from wllm.engine.request import QueueFullError
 
 __all__ = [
     "AsyncEngine",
     "CacheConfig",
+    "EngineClosedError",
     "EngineConfig",
     "EngineDeadError",
     "LLMEngine",

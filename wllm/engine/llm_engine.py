@@ -47,6 +47,7 @@ import os
 import random
 import sys
 import time
+import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from operator import index
@@ -65,6 +66,15 @@ from wllm.outputs import CompletionOutput, ListPrefix, RequestOutput
 from wllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed (`LLMEngine.close`); it takes no more requests or steps."""
+
+
+# Engines not yet closed: `close` moves frozen objects back under the collector (to reach cycles through the
+# closed engine) and freezes again only while some other engine still runs.
+_open_engines: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 
 
 def freeze_startup_objects() -> None:
@@ -158,7 +168,42 @@ class LLMEngine:
         self.num_lookahead_steps = 0
         # The lookahead step launched by the last `step()`, processed by the next one.
         self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        self.closed = False
+        _open_engines.add(self)
         freeze_startup_objects()
+
+    def close(self) -> None:
+        """Free the model, the KV cache and swap space, the CUDA graphs and their memory pool now, not
+        whenever the garbage collector reaches them. Requests still queued or running are aborted
+        (their outputs are dropped). The engine takes no more requests or steps; closing again does
+        nothing.
+
+        Why: the engine start freezes every live object out of the cyclic collector (see
+        `freeze_startup_objects`), so an engine caught in a reference cycle formed later (a callback
+        stored on it that refers back to it, say) would keep its GPU memory until the process ends.
+        Here the engine drops its own references and cycles through it are collected."""
+        if self.closed:
+            return
+        for request_id in list(self.scheduler.groups):
+            self.scheduler.abort(request_id)
+            self.scheduler.pop_finished_group(request_id)
+        self._inflight = None
+        self.closed = True
+        _open_engines.discard(self)
+        self.runner.close()
+        self.model = None
+        # Frozen objects are out of the collector's reach: unfreeze so that cycles through this engine's
+        # objects are found, then freeze again what other engines still run with.
+        gc.unfreeze()
+        gc.collect()
+        if _open_engines:
+            gc.freeze()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("the engine is closed (LLMEngine.close / LLM.close); make a new one")
 
     @classmethod
     def from_pretrained(
@@ -220,6 +265,7 @@ class LLMEngine:
         queue is at its bound. `final_only`: `step()` returns this request's output only when it
         finishes, and text without stop strings is decoded once at the end rather than per token
         (offline batches: at a few hundred sequences that per-step host work is what the GPU waits on)."""
+        self._check_open()
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompt, str):
@@ -261,6 +307,7 @@ class LLMEngine:
         With async scheduling the step this call processes may have been launched by the call
         before (a lookahead step); this call may in turn launch the next one before it waits.
         """
+        self._check_open()
         outputs: list[RequestOutput] = []
         inflight, self._inflight = self._inflight, None
         if inflight is not None and not self._has_live_seqs(inflight[0]):

@@ -217,6 +217,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def close(self) -> None:
+        """Drop the model, the caches and the CUDA runner (graphs, their pool, staged buffers) once the
+        device has finished with them; the runner executes nothing after this."""
+        self.synchronize()
+        self.cuda_runner = None
+        self.kv_cache = self.cpu_cache = torch.empty(0)
+        self.model = None
+
     def _execute_torch(self, out: SchedulerOutput) -> dict[str, SeqResult]:
         """The PyTorch path: block copies, forward pass and sampling, all before it returns."""
         copy_blocks(self.kv_cache, out.blocks_to_copy)

@@ -4,6 +4,7 @@
     llm = LLM()  # the embedded SmolLM2-135M-Instruct; or LLM("path/to/model.gguf" or an HF folder)
     print(llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].outputs[0].text)
     print(llm.chat([{"role": "user", "content": "Hi!"}])[0].outputs[0].text)
+    llm.close()  # or `with LLM() as llm:`: the GPU memory is free again at once
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Free the model's GPU memory (weights, KV cache, CUDA graphs) now; see `LLMEngine.close`.
+        Idempotent. `with LLM(...) as llm:` closes on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,
