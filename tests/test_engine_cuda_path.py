@@ -4,6 +4,7 @@ CPU engine. The same code runs on the GPU with the compiled kernels (test_engine
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_engine import GREEDY, assert_all_free, engine_for, make_prompts, reference, run_staggered, tiny
@@ -468,3 +469,72 @@ def test_captured_mixed_split_matches_the_eager_split(monkeypatch):
     # No decode rows at all (a pure prefill step): the split leaves every sequence to the prefill kernel.
     none = mixed_split(torch.tensor([4, 9, 0], dtype=torch.int32), torch.tensor([0, 4, 9, 9], dtype=torch.int32))
     assert none["decode_lens"].tolist() == [0, 0, 0] and none["prefill_starts"].tolist() == [0, 4, 9, 9]
+
+
+def test_incremental_staging_equals_a_fresh_write():
+    """`StepInputs.fill` rewrites only the block-table entries added since the same layout's last fill, and
+    `SamplingBuffers.pack` only the output counts of rows it staged there before. Whatever happens between
+    steps -- tables growing in place, rows reordered, dropped or added, a block list replaced (recompute),
+    another layout written over the same host bytes, a row with penalties or no staging at all -- what is
+    staged must equal a write into fresh buffers."""
+    import random
+
+    from wllm.engine.cuda_runner import StepInputs, _stage
+    from wllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    rng = random.Random(0)
+    cpu, bs, vocab = torch.device("cpu"), 4, 50
+    inputs, buffers = StepInputs(64, 12, 128, cpu), SamplingBuffers(128, vocab, cpu)
+    plain = SamplingParams(temperature=0.7, top_k=5, seed=1)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    seqs = []  # [seq id, block list, output list, sampling row]
+    for i in range(20):
+        outs = [1] * rng.randrange(1, 8)
+        row = SamplingRow(plain, 7, i, (1, 2, 3), outs, [2])
+        seqs.append([f"s{i}", [rng.randrange(1000) for _ in range(rng.randrange(1, 4))], outs, row])
+    current = seqs[:12]
+    for step in range(150):
+        event = rng.random()
+        if event < 0.1:
+            rng.shuffle(current)
+        elif event < 0.2:
+            current = rng.sample(seqs, rng.randrange(1, 16))
+        elif event < 0.3:
+            victim = rng.choice(current)
+            victim[1] = [rng.randrange(1000) for _ in victim[1]]  # recomputed: a new list, the same length
+        for s in current:  # every sequence decodes one token; now and then it takes a new block
+            s[2].append(rng.randrange(vocab))
+            if rng.random() < 0.25 and len(s[1]) < 12:
+                s[1].append(rng.randrange(1000))
+        penalty_step = rng.random() < 0.1
+        rows = [SamplingRow(penalised, 7, 0, (1, 2, 3), s[2], [2]) if penalty_step and k == 0 else s[3]
+                for k, s in enumerate(current)]
+        out = SchedulerOutput([ScheduledSeq(s[0], [s[2][-1]], len(s[1]) * bs - 1 - rng.randrange(bs), s[1], 1, r)
+                               for s, r in zip(current, rows)], [], [], [], len(current))
+        n = len(out.seqs)
+        padded = n + (rng.randrange(1, 3) if rng.random() < 0.2 else 0)  # mostly the last step's layout
+        ahead = rng.choice([0, 1, [rng.randrange(2) for _ in range(n)]])
+        if rng.random() < 0.15:  # another shape's step writes over the shared host bytes
+            other = inputs.layout(40, 30, 30)
+            buffers.pack([s[3] for s in seqs[:30]], 30, stage=_stage(other))
+            inputs.fill(other, SchedulerOutput([], [], [], [], 0), bs, 30, 40)
+            other.np["block_tables"][:] = 99
+        layout = inputs.layout(padded, padded, padded)
+        staged = rng.random() < 0.9
+        buffers.pack(rows, padded, full_csr=True, stage=_stage(layout) if staged else None, ahead=ahead)
+        longest = inputs.fill(layout, out, bs, padded, padded)
+
+        fresh_inputs, fresh_buffers = StepInputs(64, 12, 128, cpu), SamplingBuffers(128, vocab, cpu)
+        fresh = fresh_inputs.layout(padded, padded, padded)
+        fresh_buffers.pack(rows, padded, full_csr=True, stage=_stage(fresh), ahead=ahead)
+        assert fresh_inputs.fill(fresh, out, bs, padded, padded) == longest
+        for name in ("input_ids", "positions", "slots", "seq_lens", "query_start"):
+            np.testing.assert_array_equal(layout.np[name], fresh.np[name], err_msg=f"step {step}: {name}")
+        np.testing.assert_array_equal(layout.np["block_tables"][:n], fresh.np["block_tables"][:n],
+                                      err_msg=f"step {step}: block tables")
+        if staged:
+            for name in ("params_f32", "params_i64"):
+                np.testing.assert_array_equal(layout.np[name], fresh.np[name], err_msg=f"step {step}: {name}")
+        else:
+            np.testing.assert_array_equal(buffers.f32.np[:padded], fresh.np["params_f32"])
+            np.testing.assert_array_equal(buffers.i64.np[:padded], fresh.np["params_i64"])

@@ -77,9 +77,7 @@ def test_close_frees_an_engine_caught_in_a_cycle_and_refuses_more_work(tmp_path_
     import gc
     import weakref
 
-    from wllm.engine import EngineClosedError
-
-    from wllm.engine import llm_engine
+    from wllm.engine import EngineClosedError, llm_engine
 
     monkeypatch.setattr(llm_engine, "_open_engines", weakref.WeakSet())  # engines other tests left open don't count
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence as Seq
 
 import msgspec
 import numpy as np
@@ -33,7 +34,7 @@ from wllm.engine.cuda_graphs import (
 )
 from wllm.engine.gpu_sampler import SamplingBuffers, StagedBuffer, logprob_matrix, step_logprobs_from_row
 from wllm.engine.sampler import SampledToken, SamplingRow
-from wllm.engine.scheduler import SchedulerOutput, SeqResult, decode_first_order
+from wllm.engine.scheduler import ScheduledSeq, SchedulerOutput, SeqResult, decode_first_order
 from wllm.kernels import decode_workspace_size, sample
 from wllm.kernels.ops import host_mapped, stage_copy
 
@@ -116,6 +117,10 @@ class StepInputs:
                      for _, dtype, shape in self._fields(max_tokens, max_tokens, max_rows))
         self.stage = PackedStage(nbytes, device)
         self.logit_rows = StagedBuffer((2 * max_tokens,), torch.int64, device)
+        self._arange = np.arange(max_tokens + 1, dtype=np.int32)
+        # The layout `_fill_tables` wrote last and, per row, (the block_ids list it wrote, its length then).
+        self._table_layout: StageLayout | None = None
+        self._table_rows: list[tuple[list[int], int]] = []
 
     def _fields(self, tokens: int, seqs: int, rows: int) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
         return (("input_ids", torch.int64, (tokens,)), ("positions", torch.int64, (tokens,)),
@@ -135,34 +140,41 @@ class StepInputs:
         Padding tokens write to slot -1 and padding sequences have no context. The caller uploads."""
         v = layout.np
         ids, pos, slots = v["input_ids"], v["positions"], v["slots"]
-        tables, lens, starts = v["block_tables"], v["seq_lens"], v["query_start"]
-        t = 0
-        longest = 0
+        lens, starts = v["seq_lens"], v["query_start"]
+        seqs = out.seqs
+        num_seqs = len(seqs)
+        self._fill_tables(layout, seqs)
         starts[0] = 0
-        max_blocks = self.max_blocks
-        for i, s in enumerate(out.seqs):
-            n, start, blocks = len(s.token_ids), s.start_pos, s.block_ids
-            if len(blocks) > max_blocks:
-                raise RuntimeError(f"sequence {s.seq_id} has {len(blocks)} KV blocks; the runner's block tables "
-                                   f"hold {max_blocks} (max_model_len)")
-            tables[i, :len(blocks)] = blocks
-            tables[i, len(blocks):] = 0  # the bytes are shared with other layouts: no stray block ids
-            end = start + n
-            lens[i] = end
-            if end > longest:
-                longest = end
-            if n == 1:
-                ids[t] = s.token_ids[0]
-                pos[t] = start
-                slots[t] = blocks[start // block_size] * block_size + start % block_size
-            else:
-                p = np.arange(start, end)
-                ids[t:t + n] = s.token_ids
-                pos[t:t + n] = p
-                slots[t:t + n] = np.asarray(blocks, dtype=np.int64)[p // block_size] * block_size + p % block_size
-            t += n
-            starts[i + 1] = t
-        num_seqs = len(out.seqs)
+        if all(len(s.token_ids) == 1 for s in seqs):
+            # A decode step (the common case at hundreds of sequences): whole columns at once.
+            t = num_seqs
+            first = [s.start_pos for s in seqs]
+            ids[:t] = [s.token_ids[0] for s in seqs]
+            pos[:t] = first
+            slots[:t] = [s.block_ids[q // block_size] * block_size + q % block_size for s, q in zip(seqs, first)]
+            np.add(pos[:t], 1, out=lens[:t], casting="unsafe")
+            starts[1:t + 1] = self._arange[1:t + 1]
+            longest = max(first) + 1 if t else 0
+        else:
+            t = 0
+            longest = 0
+            for i, s in enumerate(seqs):
+                n, start, blocks = len(s.token_ids), s.start_pos, s.block_ids
+                end = start + n
+                lens[i] = end
+                if end > longest:
+                    longest = end
+                if n == 1:
+                    ids[t] = s.token_ids[0]
+                    pos[t] = start
+                    slots[t] = blocks[start // block_size] * block_size + start % block_size
+                else:
+                    p = np.arange(start, end)
+                    ids[t:t + n] = s.token_ids
+                    pos[t:t + n] = p
+                    slots[t:t + n] = np.asarray(blocks, dtype=np.int64)[p // block_size] * block_size + p % block_size
+                t += n
+                starts[i + 1] = t
         if t < padded_tokens:
             ids[t:padded_tokens] = 0
             pos[t:padded_tokens] = 0
@@ -171,6 +183,34 @@ class StepInputs:
             lens[num_seqs:padded_seqs] = 0
             starts[num_seqs + 1:padded_seqs + 1] = t
         return longest
+
+    def _fill_tables(self, layout: StageLayout, seqs: Seq[ScheduledSeq]) -> None:
+        """Write the sequences' block tables into `layout`'s rows. A sequence's `block_ids` list only grows in
+        place (a new block table is a new list), so a row that holds the same list as when this layout was
+        last filled only gets its new entries: a decode step rewrites a handful of ids, not every table.
+        The host bytes are shared by all layouts, so a fill of any other layout starts over. The rows keep
+        strong references to the lists: a list's identity is not reused while held."""
+        tables = layout.np["block_tables"]
+        max_blocks = self.max_blocks
+        before = self._table_rows if self._table_layout is layout else ()
+        rows: list[tuple[list[int], int]] = []
+        for i, s in enumerate(seqs):
+            blocks = s.block_ids
+            n = len(blocks)
+            if n > max_blocks:
+                raise RuntimeError(f"sequence {s.seq_id} has {n} KV blocks; the runner's block tables "
+                                   f"hold {max_blocks} (max_model_len)")
+            if i < len(before):
+                same, done = before[i]
+                if same is blocks and done <= n:
+                    if done < n:
+                        tables[i, done:n] = blocks[done:]
+                    rows.append((blocks, n))
+                    continue
+            tables[i, :n] = blocks
+            tables[i, n:] = 0  # the bytes are shared with other layouts: no stray block ids
+            rows.append((blocks, n))
+        self._table_layout, self._table_rows = layout, rows
 
 
 class PendingStep:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from wllm.engine.sampler import SamplingRow
-from wllm.kernels.sampling import pack_sampling_rows, sampling_lists
+from wllm.kernels.sampling import SamplingLists, pack_sampling_rows, sampling_lists, sequence_seed
 from wllm.outputs import StepLogprobs, TokenLogprob
 
 
@@ -64,6 +64,9 @@ class SamplingBuffers:
         # Whether a device offsets buffer may hold non-zero entries; while it is all zeros, steps
         # without entries skip its upload (the common case: no bias, no penalties).
         self._dirty = {"bias": False, "penalty": False}
+        # `_stage_plain`'s record: the staged f32 array it wrote last and the rows whose fixed columns are there.
+        self._staged_to: np.ndarray | None = None
+        self._staged_rows: list[SamplingRow] = []
 
     def static_kwargs(self, rows: int, params_f32: torch.Tensor | None = None,
                       params_i64: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -98,8 +101,11 @@ class SamplingBuffers:
         """
         n = len(rows)
         padded = n if padded is None else padded
-        lists = sampling_lists(rows, self.vocab_size, ahead)
-        f32, i64 = lists.f32, lists.i64
+        if stage is not None and padded <= self.max_rows and self._stage_plain(rows, stage[0], stage[1], ahead):
+            lists = _NO_ENTRIES
+        else:
+            self._staged_to = None
+            lists = sampling_lists(rows, self.vocab_size, ahead)
         bias_off, bias_tok, bias_val = lists.bias_off, lists.bias_tok, lists.bias_val
         pen_off, pen_tok, pen_cnt = lists.pen_off, lists.pen_tok, lists.pen_cnt
         if padded > self.max_rows or len(bias_tok) > self.bias_tok.np.shape[0] or \
@@ -107,9 +113,9 @@ class SamplingBuffers:
             return pack_sampling_rows(rows, self.device, self.vocab_size, ahead), False
 
         f32_np, i64_np = (self.f32.np, self.i64.np) if stage is None else stage[:2]
-        if n:
-            f32_np[:n] = f32
-            i64_np[:n] = i64
+        if n and lists is not _NO_ENTRIES:
+            f32_np[:n] = lists.f32
+            i64_np[:n] = lists.i64
         if n < padded:
             f32_np[n:padded] = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)  # greedy, no filters, neutral penalties
             i64_np[n:padded] = 0
@@ -146,6 +152,40 @@ class SamplingBuffers:
             out[f"{name}_tokens"] = pairs[0].dev if full_csr else pairs[0].dev[:count]
             out[f"{name}_{second}"] = pairs[1].dev if full_csr else pairs[1].dev[:count]
         return out, True
+
+    def _stage_plain(self, rows: Seq[SamplingRow], f32_np: np.ndarray, i64_np: np.ndarray,
+                     ahead: int | Seq[int]) -> bool:
+        """`sampling_lists`' per-row parameters written straight into a staging layout's arrays, for steps
+        whose rows need no CSR entries (no logit_bias, min_tokens or penalties: the usual decode step);
+        False, with nothing promised about the arrays, when a row needs them.
+
+        A row's parameters other than its output count are fixed for its sequence's life (one SamplingRow
+        object serves every step), so a row written into the same arrays at the same index last time only
+        gets its new count: a steady decode step writes one column, not every row. The host bytes are
+        shared by all layouts: any pack into other arrays (or none) starts over (`_staged_to`)."""
+        before = self._staged_rows if self._staged_to is f32_np else ()
+        known = len(before)
+        for i, row in enumerate(rows):
+            if i < known and before[i] is row:
+                continue
+            p = row.params
+            if p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
+                    p.presence_penalty != 0.0:
+                return False
+            f32_np[i] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
+                         p.presence_penalty)
+            i64_np[i, :2] = (max(p.top_k, 0), sequence_seed(row.seed, row.index))
+        n = len(rows)
+        counts = i64_np[:n, 2]
+        counts[:] = [len(row.output_token_ids) for row in rows]
+        if not isinstance(ahead, int) or ahead:
+            counts += ahead
+        self._staged_to, self._staged_rows = f32_np, list(rows)
+        return True
+
+
+# `_stage_plain`'s steps: no bias or penalty entries.
+_NO_ENTRIES = SamplingLists([], [], [0], [], [], [0], [], [])
 
 
 def logprob_matrix(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> torch.Tensor:
