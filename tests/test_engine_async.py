@@ -201,3 +201,66 @@ def test_a_slow_consumer_gets_the_newest_output_not_a_backlog():
             return item
 
     assert isinstance(asyncio.run(error_is_final()), RuntimeError)
+
+
+def test_a_step_wakes_each_event_loop_once_for_all_its_streams():
+    """`_deliver` publishes a step's outputs and wakes every stream of one event loop with one loop callback
+    (one self-pipe write), not one per stream; streams on another loop get their own, and every consumer
+    still sees every output it waits for."""
+    import threading
+
+    from wllm.engine.async_engine import _Stream
+    from wllm.outputs import CompletionOutput, RequestOutput
+
+    class Fake:
+        num_failed_steps = 0
+
+        def stats(self):
+            return {}
+
+    engine = AsyncEngine(Fake())
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    calls = []
+    for loop in loops:
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda cb, *a, _real=real, _loop=loop: (calls.append((_loop, cb)), _real(cb, *a))[1]
+    streams = {f"r{i}": _Stream(loops[i % 2]) for i in range(10)}
+    engine._streams.update(streams)
+
+    def outputs(n, finished):
+        return [RequestOutput(rid, [1], [CompletionOutput(0, "", [7] * n)], finished=finished) for rid in streams]
+
+    async def consume(rid):
+        return [len(o.outputs[0].token_ids) async for o in _until_finished(streams[rid])]
+
+    results = {}
+
+    async def consume_all(rids):
+        return await asyncio.gather(*(consume(r) for r in rids))
+
+    def run(loop, rids):
+        results.update(zip(rids, loop.run_until_complete(consume_all(rids))))
+
+    threads = [threading.Thread(target=run, args=(loop, [r for i, r in enumerate(streams) if i % 2 == k]))
+               for k, loop in enumerate(loops)]
+    for t in threads:
+        t.start()
+    engine._deliver(outputs(1, False))
+    wakes = [loop for loop, cb in calls if cb.__name__ == "_wake_all"]
+    assert sorted(map(id, wakes)) == sorted(map(id, loops))  # one callback per loop for ten streams
+    for t in threads:  # the consumers take the first output before the last one comes
+        t.join(timeout=0.2)
+    engine._deliver(outputs(2, True))
+    for t in threads:
+        t.join(timeout=10)
+    assert len([cb for _, cb in calls if cb.__name__ == "_wake_all"]) <= 4 and not engine._streams
+    assert all(seen[-1] == 2 for seen in results.values()) and len(results) == 10
+    for loop in loops:
+        loop.close()
+
+
+async def _until_finished(stream):
+    async for item in stream:
+        yield item
+        if item.finished:
+            return

@@ -2,8 +2,8 @@
 
 Callers on any event loop submit commands (add, abort) through a thread-safe queue; the loop
 thread applies them between steps, runs `step()`, and publishes each `RequestOutput` to the
-request's consumer with `call_soon_threadsafe` (outputs are cumulative: a consumer that falls behind
-gets the newest, not a backlog). A failing step fails only its requests
+request's consumer, waking all of a step's consumers on one event loop with one `call_soon_threadsafe`
+(outputs are cumulative: a consumer that falls behind gets the newest, not a backlog). A failing step fails only its requests
 (they get an output with `error` set); after `max_consecutive_failures` failing steps in a row,
 or if the loop itself breaks, the engine marks itself unhealthy, fails every request and
 rejects new ones, so no consumer ever waits forever.
@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from wllm.engine.llm_engine import LLMEngine
@@ -49,17 +49,20 @@ class _Stream:
         self.ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Engine thread: publish `item` as the newest output (an error is final)."""
+        """Engine thread: publish `item` as the newest output (an error is final) and wake the consumer."""
+        if self.publish(item):
+            _wake_on_loop(self.loop, (self,))
+
+    def publish(self, item: RequestOutput | BaseException) -> bool:
+        """Engine thread: `put` without the wake-up; True when the consumer must be woken (see `_wake_all`)."""
         seq, last = self.latest
         if isinstance(last, BaseException):
-            return
+            return False
         self.latest = (seq + 1, item)
-        if not self.woken:
-            self.woken = True
-            try:
-                self.loop.call_soon_threadsafe(self._wake)
-            except RuntimeError:
-                pass  # the consumer's loop is closed; nobody is listening any more
+        if self.woken:
+            return False
+        self.woken = True
+        return True
 
     def _wake(self) -> None:
         self.woken = False
@@ -205,13 +208,19 @@ class AsyncEngine:
         self._stats = self.engine.stats()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One loop callback per event loop per step, not one per stream: each costs the engine thread a lock
+        # and a self-pipe write, and the loop a wake-up (256 of them per step at 256 streams).
+        woken: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.put(out)
+            if stream.publish(out):
+                woken.setdefault(stream.loop, []).append(stream)
             if out.finished:
                 del self._streams[out.request_id]
+        for loop, streams in woken.items():
+            _wake_on_loop(loop, streams)
 
     def _run(self) -> None:
         try:
@@ -262,6 +271,19 @@ class AsyncEngine:
                                      outputs=[CompletionOutput(0, "", [], finish_reason="error")],
                                      finished=True, error=message))
         self._streams.clear()
+
+
+def _wake_on_loop(loop: asyncio.AbstractEventLoop, streams: Sequence[_Stream]) -> None:
+    """Engine thread: wake `streams`' consumers, all waiting on `loop`, with one callback."""
+    try:
+        loop.call_soon_threadsafe(_wake_all, streams)
+    except RuntimeError:
+        pass  # the consumers' loop is closed; nobody is listening any more
+
+
+def _wake_all(streams: Sequence[_Stream]) -> None:
+    for stream in streams:
+        stream._wake()
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
