@@ -3,9 +3,9 @@
 Callers on any event loop submit commands (add, abort) through a thread-safe queue; the loop
 thread applies them between steps, runs `step()`, and publishes each `RequestOutput` to the
 request's consumer, waking all of a step's consumers on one event loop with one `call_soon_threadsafe`
-(outputs are cumulative: a consumer that falls behind gets the newest, not a backlog). A failing step fails only its requests
-(they get an output with `error` set); after `max_consecutive_failures` failing steps in a row,
-or if the loop itself breaks, the engine marks itself unhealthy, fails every request and
+(outputs are cumulative: a consumer that falls behind gets the newest, not a backlog). A failing step
+fails only its requests (they get an output with `error` set); after `max_consecutive_failures` failing
+steps in a row, or if the loop itself breaks, the engine marks itself unhealthy, fails every request and
 rejects new ones, so no consumer ever waits forever.
 """
 
