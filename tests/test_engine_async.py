@@ -264,3 +264,58 @@ async def _until_finished(stream):
         yield item
         if item.finished:
             return
+
+
+def test_a_client_loop_closed_while_its_request_waits_does_not_kill_the_engine():
+    """Regression (found in review): the engine thread answers a queued `add` on the caller's event loop;
+    if that loop has closed meanwhile (its `asyncio.run` ended), the engine thread must carry on, not die
+    and mark the engine unhealthy for every other client."""
+    import contextlib
+    import threading
+    import time
+
+    class Fake:
+        num_failed_steps = 0
+
+        def stats(self):
+            return {}
+
+        def add_request(self, *args, **kwargs):
+            time.sleep(0.3)  # the next client's add waits behind this one
+
+        def has_unfinished(self):
+            return False
+
+        def abort(self, request_id):
+            return None
+
+    engine = AsyncEngine(Fake())
+
+    async def one(rid):
+        async for _ in engine.generate([1], SamplingParams(), rid):
+            pass
+
+    async def short_lived():
+        task = asyncio.ensure_future(one("b"))
+        await asyncio.sleep(0.05)  # "b"'s add is queued behind "a"'s
+        task.cancel()
+
+    async def first_client():
+        task = asyncio.ensure_future(one("a"))
+        await asyncio.wait([task], timeout=1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    loop = asyncio.new_event_loop()
+    first = threading.Thread(target=lambda: loop.run_until_complete(first_client()))
+    first.start()
+    time.sleep(0.05)  # "a"'s add runs on the engine thread now
+    asyncio.run(short_lived())  # this loop is closed before the engine thread gets to "b"'s add
+    time.sleep(0.6)
+    first.join()
+    loop.close()
+    try:
+        assert engine.is_healthy(), engine._dead
+    finally:
+        engine.shutdown()

@@ -479,7 +479,7 @@ def test_incremental_staging_equals_a_fresh_write():
     staged must equal a write into fresh buffers."""
     import random
 
-    from wllm.engine.cuda_runner import StepInputs, _stage
+    from wllm.engine.cuda_runner import StepInputs
     from wllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 
     rng = random.Random(0)
@@ -514,19 +514,24 @@ def test_incremental_staging_equals_a_fresh_write():
         n = len(out.seqs)
         padded = n + (rng.randrange(1, 3) if rng.random() < 0.2 else 0)  # mostly the last step's layout
         ahead = rng.choice([0, 1, [rng.randrange(2) for _ in range(n)]])
-        if rng.random() < 0.15:  # another shape's step writes over the shared host bytes
+        event = rng.random()
+        if event < 0.15:  # another shape's step writes over the shared host bytes
             other = inputs.layout(40, 30, 30)
-            buffers.pack([s[3] for s in seqs[:30]], 30, stage=_stage(other))
+            buffers.pack([s[3] for s in seqs[:30]], 30, stage=inputs.sampling_stage(other))
             inputs.fill(other, SchedulerOutput([], [], [], [], 0), bs, 30, 40)
             other.np["block_tables"][:] = 99
+        elif event < 0.25:  # a graph shape's pack that falls back to an eager step (no fill of that shape)
+            other = inputs.layout(padded + 8, padded + 8, padded + 8)
+            buffers.pack([s[3] for s in seqs[:padded + 8]], padded + 8, stage=inputs.sampling_stage(other))
         layout = inputs.layout(padded, padded, padded)
         staged = rng.random() < 0.9
-        buffers.pack(rows, padded, full_csr=True, stage=_stage(layout) if staged else None, ahead=ahead)
+        buffers.pack(rows, padded, full_csr=True, stage=inputs.sampling_stage(layout) if staged else None,
+                     ahead=ahead)
         longest = inputs.fill(layout, out, bs, padded, padded)
 
         fresh_inputs, fresh_buffers = StepInputs(64, 12, 128, cpu), SamplingBuffers(128, vocab, cpu)
         fresh = fresh_inputs.layout(padded, padded, padded)
-        fresh_buffers.pack(rows, padded, full_csr=True, stage=_stage(fresh), ahead=ahead)
+        fresh_buffers.pack(rows, padded, full_csr=True, stage=fresh_inputs.sampling_stage(fresh), ahead=ahead)
         assert fresh_inputs.fill(fresh, out, bs, padded, padded) == longest
         for name in ("input_ids", "positions", "slots", "seq_lens", "query_start"):
             np.testing.assert_array_equal(layout.np[name], fresh.np[name], err_msg=f"step {step}: {name}")
@@ -538,3 +543,34 @@ def test_incremental_staging_equals_a_fresh_write():
         else:
             np.testing.assert_array_equal(buffers.f32.np[:padded], fresh.np["params_f32"])
             np.testing.assert_array_equal(buffers.i64.np[:padded], fresh.np["params_i64"])
+
+
+def test_a_graph_step_that_falls_back_to_eager_does_not_leave_stale_block_tables(tmp_path_factory):
+    """Regression (found in review): a decode step padded to a graph's shape packs its sampling rows into
+    that shape's staging layout, whose bytes overlap another layout's block tables; when the pack then
+    overflows its CSR buffers the step runs eagerly in that other layout, whose table rows must be
+    rewritten, not trusted from its last fill. Greedy tokens equal the eager engine's."""
+    torch.manual_seed(0)
+    model, _ = tiny("llama", tmp_path_factory)
+    prompts = [p for p in make_prompts(16) if len(p) > 8][:5]
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+    params = [plain] * 4 + [penalised]  # rows 0-3 are staged before the penalised row sends pack the long way
+
+    def run(engine):
+        runner = engine.runner.cuda_runner
+        runner.sampling = SamplingBuffers(runner.sampling.max_rows, runner.sampling.vocab_size, runner.device,
+                                          penalty_capacity=4)  # the penalised row overflows: no graph step
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), prompt, p)
+        final = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    final[int(out.request_id)] = out.outputs[0].token_ids
+        return [final[i] for i in range(len(prompts))], runner
+
+    eager, _ = run(kernel_engine(model, seqs=8))
+    graphed, runner = run(graph_engine(model, seqs=8))  # 5 decode rows pad to graph size 8, then fall back
+    assert runner.num_graph_steps == 0 and runner.num_eager_steps > 0
+    assert graphed == eager

@@ -165,7 +165,7 @@ class AsyncEngine:
                 result: BaseException | None = None
             except Exception as e:
                 result = e
-            loop.call_soon_threadsafe(_settle, accepted, result)
+            _call_on_loop(loop, _settle, accepted, result)
 
         self._submit(add)
         await accepted
@@ -193,7 +193,7 @@ class AsyncEngine:
             try:
                 self._abort_now(request_id)
             finally:
-                loop.call_soon_threadsafe(_settle, done, None)
+                _call_on_loop(loop, _settle, done, None)
 
         self._submit(command)
         await done
@@ -210,16 +210,16 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         # One loop callback per event loop per step, not one per stream: each costs the engine thread a lock
         # and a self-pipe write, and the loop a wake-up (256 of them per step at 256 streams).
-        woken: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
+        to_wake: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if stream.publish(out):
-                woken.setdefault(stream.loop, []).append(stream)
+                to_wake.setdefault(stream.loop, []).append(stream)
             if out.finished:
                 del self._streams[out.request_id]
-        for loop, streams in woken.items():
+        for loop, streams in to_wake.items():
             _wake_on_loop(loop, streams)
 
     def _run(self) -> None:
@@ -273,12 +273,18 @@ class AsyncEngine:
         self._streams.clear()
 
 
+def _call_on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    """Engine thread: run `callback(*args)` on `loop`, unless that loop is closed (its caller is gone: a
+    client's `asyncio.run` ended while its command waited). The engine thread must not die of that."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass
+
+
 def _wake_on_loop(loop: asyncio.AbstractEventLoop, streams: Sequence[_Stream]) -> None:
     """Engine thread: wake `streams`' consumers, all waiting on `loop`, with one callback."""
-    try:
-        loop.call_soon_threadsafe(_wake_all, streams)
-    except RuntimeError:
-        pass  # the consumers' loop is closed; nobody is listening any more
+    _call_on_loop(loop, _wake_all, streams)
 
 
 def _wake_all(streams: Sequence[_Stream]) -> None:

@@ -193,6 +193,7 @@ class StepInputs:
         tables = layout.np["block_tables"]
         max_blocks = self.max_blocks
         before = self._table_rows if self._table_layout is layout else ()
+        self._table_layout = None  # until every row is written (a raise below leaves no record to trust)
         rows: list[tuple[list[int], int]] = []
         for i, s in enumerate(seqs):
             blocks = s.block_ids
@@ -211,6 +212,15 @@ class StepInputs:
             tables[i, n:] = 0  # the bytes are shared with other layouts: no stray block ids
             rows.append((blocks, n))
         self._table_layout, self._table_rows = layout, rows
+
+    def sampling_stage(self, layout: StageLayout) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
+        """`layout`'s per-row sampling parameters (host f32, host i64, their device views) for
+        `SamplingBuffers.pack(stage=...)`. Writing them writes the shared host bytes: unless `layout` is the
+        one whose block tables `_fill_tables` recorded, that record is dropped (a pack into a graph's
+        layout can be followed by an eager fill of another, e.g. when the pack overflows its buffers)."""
+        if layout is not self._table_layout:
+            self._table_layout, self._table_rows = None, []
+        return layout.np["params_f32"], layout.np["params_i64"], layout.dev["params_f32"], layout.dev["params_i64"]
 
 
 class PendingStep:
@@ -310,7 +320,7 @@ class CudaStepRunner:
         layout = self.inputs.layout(tokens, seqs, seqs)
         layout.np["block_tables"][:] = 0
         self.inputs.fill(layout, SchedulerOutput([], [], [], [], 0), self.block_size, seqs, tokens)
-        self.sampling.pack([], seqs, full_csr=True, stage=_stage(layout))
+        self.sampling.pack([], seqs, full_csr=True, stage=self.inputs.sampling_stage(layout))
         layout.upload()
         if not isinstance(key, int):
             self.inputs.logit_rows.np[:seqs] = 0
@@ -452,8 +462,8 @@ class CudaStepRunner:
         if key is not None:
             tokens_pad, seqs_pad = self._graph_shape(key)
             layout = self.inputs.layout(tokens_pad, seqs_pad, seqs_pad)
-            sampling, static = self.sampling.pack(rows, seqs_pad, full_csr=True, stage=_stage(layout),
-                                                  ahead=row_ahead)
+            sampling, static = self.sampling.pack(rows, seqs_pad, full_csr=True,
+                                                  stage=self.inputs.sampling_stage(layout), ahead=row_ahead)
             if not static:
                 key = None
         if key is not None:
@@ -492,7 +502,8 @@ class CudaStepRunner:
             num_rows = len(rows)
             staged = num_rows <= self.inputs.max_rows
             layout = self.inputs.layout(t, num_seqs, num_rows if staged else 0)
-            sampling, _ = self.sampling.pack(rows, stage=_stage(layout) if staged else None, ahead=row_ahead)
+            stage = self.inputs.sampling_stage(layout) if staged else None
+            sampling, _ = self.sampling.pack(rows, stage=stage, ahead=row_ahead)
             longest = self.inputs.fill(layout, out, self.block_size, num_seqs, t)
             logit_rows = prompt_rows + sample_hidden_rows
             logit_index: torch.Tensor | None = None  # None: every token's hidden state
@@ -658,11 +669,6 @@ def _logprob_matrix(logits: torch.Tensor, tokens: torch.Tensor, rows: list[Sampl
     top = max(rows[i].params.logprobs or 0 for i in want)
     index = torch.tensor(want, dtype=torch.int64).to(device, non_blocking=True)
     return logprob_matrix(logits.index_select(0, index), tokens.index_select(0, index).long(), top)
-
-
-def _stage(layout: StageLayout) -> tuple[np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]:
-    """Where `SamplingBuffers.pack` writes the per-row parameters of a step staged in `layout`."""
-    return layout.np["params_f32"], layout.np["params_i64"], layout.dev["params_f32"], layout.dev["params_i64"]
 
 
 def _fork_row(row: SamplingRow, index: int) -> SamplingRow:

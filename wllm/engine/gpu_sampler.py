@@ -101,8 +101,9 @@ class SamplingBuffers:
         """
         n = len(rows)
         padded = n if padded is None else padded
-        if stage is not None and padded <= self.max_rows and self._stage_plain(rows, stage[0], stage[1], ahead):
-            lists = _NO_ENTRIES
+        plain = stage is not None and padded <= self.max_rows and self._stage_plain(rows, stage[0], stage[1], ahead)
+        if plain:
+            lists = SamplingLists([], [], [0], [], [], [0], [], [])  # rows written; no bias or penalty entries
         else:
             self._staged_to = None
             lists = sampling_lists(rows, self.vocab_size, ahead)
@@ -113,7 +114,7 @@ class SamplingBuffers:
             return pack_sampling_rows(rows, self.device, self.vocab_size, ahead), False
 
         f32_np, i64_np = (self.f32.np, self.i64.np) if stage is None else stage[:2]
-        if n and lists is not _NO_ENTRIES:
+        if n and not plain:
             f32_np[:n] = lists.f32
             i64_np[:n] = lists.i64
         if n < padded:
@@ -157,7 +158,9 @@ class SamplingBuffers:
                      ahead: int | Seq[int]) -> bool:
         """`sampling_lists`' per-row parameters written straight into a staging layout's arrays, for steps
         whose rows need no CSR entries (no logit_bias, min_tokens or penalties: the usual decode step);
-        False, with nothing promised about the arrays, when a row needs them.
+        False when a row needs them, with the rows before it possibly written already (the caller then
+        writes every row, or does not use the arrays; `StepInputs.sampling_stage` has already dropped any
+        block-table record these bytes could overlap).
 
         A row's parameters other than its output count are fixed for its sequence's life (one SamplingRow
         object serves every step), so a row written into the same arrays at the same index last time only
@@ -183,9 +186,6 @@ class SamplingBuffers:
         self._staged_to, self._staged_rows = f32_np, list(rows)
         return True
 
-
-# `_stage_plain`'s steps: no bias or penalty entries.
-_NO_ENTRIES = SamplingLists([], [], [0], [], [], [0], [], [])
 
 
 def logprob_matrix(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> torch.Tensor:

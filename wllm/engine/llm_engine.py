@@ -190,10 +190,11 @@ class LLMEngine:
         self._inflight = None
         self.closed = True
         _open_engines.discard(self)
-        self.runner.close()
         self.model = None
+        self.runner.close()
         # Frozen objects are out of the collector's reach: unfreeze so that cycles through this engine's
-        # objects are found, then freeze again what other engines still run with.
+        # objects are found, then, while another engine runs, freeze again everything alive (as an engine
+        # start does; this also undoes a freeze of the application's own when the last engine closes).
         gc.unfreeze()
         gc.collect()
         if _open_engines:

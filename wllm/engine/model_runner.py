@@ -220,10 +220,12 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the model, the caches and the CUDA runner (graphs, their pool, staged buffers) once the
         device has finished with them; the runner executes nothing after this."""
-        self.synchronize()
-        self.cuda_runner = None
-        self.kv_cache = self.cpu_cache = torch.empty(0)
-        self.model = None
+        try:
+            self.synchronize()
+        finally:  # a device error in the wait must not keep the memory
+            self.cuda_runner = None
+            self.kv_cache = self.cpu_cache = torch.empty(0)
+            self.model = None
 
     def _execute_torch(self, out: SchedulerOutput) -> dict[str, SeqResult]:
         """The PyTorch path: block copies, forward pass and sampling, all before it returns."""
