@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from wllm.bench.timing import cuda_time_ms
+from wllm.bench.timing import assert_cases_agree, cuda_time_ms
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import ops
 
@@ -100,16 +100,7 @@ def run_case(m: int) -> None:
         "4 pieces, 2 streams": two_streams(4),
     }
     # Same result as the whole MLP (fp32 accumulation differs only by the split of the sum).
-    ref = None
-    for name, fn in cases.items():
-        y.zero_()
-        fn()
-        torch.cuda.synchronize()
-        if ref is None:
-            ref = y.clone()
-        else:
-            err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            assert err < 2e-2, f"{name}: relative error {err}"
+    assert_cases_agree(cases, y, 2e-2)
     graphs = {name: capture_graph(fn)[0] for name, fn in cases.items()}
     times = {name: [] for name in graphs}
     for _ in range(7):  # rounds alternate the cases, so clock drift hits them alike

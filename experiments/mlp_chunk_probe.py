@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
-from wllm.bench.timing import cuda_time_ms  # noqa: E402
+from wllm.bench.timing import assert_cases_agree, cuda_time_ms  # noqa: E402
 from wllm.engine.cuda_graphs import capture_graph  # noqa: E402
 from wllm.kernels import ops  # noqa: E402
 
@@ -75,16 +75,7 @@ for c in (int(s) for s in args.chunks.split(",")):
         cases[f"chunks of {c}, whole MLP"] = chunked(c, True)
         cases[f"chunks of {c}, gate_up+act"] = chunked(c, False)
 
-ref = None
-for name, fn in cases.items():
-    y.zero_()
-    fn()
-    torch.cuda.synchronize()
-    if ref is None:
-        ref = y.clone()
-    else:
-        err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        assert err < 1e-2, f"{name}: relative error {err}"
+assert_cases_agree(cases, y, 1e-2)
 graphs = {name: capture_graph(fn)[0] for name, fn in cases.items()}
 times: dict[str, list[float]] = {name: [] for name in graphs}
 for _ in range(args.rounds):

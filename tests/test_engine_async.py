@@ -203,6 +203,24 @@ def test_a_slow_consumer_gets_the_newest_output_not_a_backlog():
     assert isinstance(asyncio.run(error_is_final()), RuntimeError)
 
 
+class _IdleEngine:
+    """The least of an LLMEngine that AsyncEngine's loop thread calls: never has work of its own."""
+
+    num_failed_steps = 0
+
+    def stats(self):
+        return {}
+
+    def add_request(self, *args, **kwargs):
+        pass
+
+    def has_unfinished(self):
+        return False
+
+    def abort(self, request_id):
+        return None
+
+
 def test_a_step_wakes_each_event_loop_once_for_all_its_streams():
     """`_deliver` publishes a step's outputs and wakes every stream of one event loop with one loop callback
     (one self-pipe write), not one per stream; streams on another loop get their own, and every consumer
@@ -212,13 +230,7 @@ def test_a_step_wakes_each_event_loop_once_for_all_its_streams():
     from wllm.engine.async_engine import _Stream
     from wllm.outputs import CompletionOutput, RequestOutput
 
-    class Fake:
-        num_failed_steps = 0
-
-        def stats(self):
-            return {}
-
-    engine = AsyncEngine(Fake())
+    engine = AsyncEngine(_IdleEngine())
     loops = [asyncio.new_event_loop() for _ in range(2)]
     calls = []
     for loop in loops:
@@ -274,22 +286,11 @@ def test_a_client_loop_closed_while_its_request_waits_does_not_kill_the_engine()
     import threading
     import time
 
-    class Fake:
-        num_failed_steps = 0
-
-        def stats(self):
-            return {}
-
+    class SlowAdd(_IdleEngine):
         def add_request(self, *args, **kwargs):
             time.sleep(0.3)  # the next client's add waits behind this one
 
-        def has_unfinished(self):
-            return False
-
-        def abort(self, request_id):
-            return None
-
-    engine = AsyncEngine(Fake())
+    engine = AsyncEngine(SlowAdd())
 
     async def one(rid):
         async for _ in engine.generate([1], SamplingParams(), rid):

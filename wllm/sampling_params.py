@@ -68,3 +68,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether repetition, frequency or presence penalties apply (they need the token counts)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0

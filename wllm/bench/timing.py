@@ -37,6 +37,21 @@ def graph_us(fn: Callable[[], object], calls: int, warmup: int = 3, iters: int =
     return us
 
 
+def assert_cases_agree(cases: dict[str, Callable[[], object]], out: torch.Tensor, tol: float) -> None:
+    """Run each case (each writes `out`, zeroed first) and check it against the first case's result:
+    max |difference| / max |reference| below `tol`. For probes that time several ways of one computation."""
+    ref = None
+    for name, fn in cases.items():
+        out.zero_()
+        fn()
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = out.clone()
+            continue
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        assert err < tol, f"{name}: relative error {err}"
+
+
 def kernel_bench_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     """Add --json, parse, and make sure the GPU and the kernel library are there (exit with a clear
     message otherwise); seeds torch. Shared by the benchmarks/kernels_*.py scripts."""

@@ -117,7 +117,6 @@ class StepInputs:
                      for _, dtype, shape in self._fields(max_tokens, max_tokens, max_rows))
         self.stage = PackedStage(nbytes, device)
         self.logit_rows = StagedBuffer((2 * max_tokens,), torch.int64, device)
-        self._arange = np.arange(max_tokens + 1, dtype=np.int32)
         # The layout `_fill_tables` wrote last and, per row, (the block_ids list it wrote, its length then).
         self._table_layout: StageLayout | None = None
         self._table_rows: list[tuple[list[int], int]] = []
@@ -145,36 +144,25 @@ class StepInputs:
         num_seqs = len(seqs)
         self._fill_tables(layout, seqs)
         starts[0] = 0
-        if all(len(s.token_ids) == 1 for s in seqs):
-            # A decode step (the common case at hundreds of sequences): whole columns at once.
-            t = num_seqs
-            first = [s.start_pos for s in seqs]
-            ids[:t] = [s.token_ids[0] for s in seqs]
-            pos[:t] = first
-            slots[:t] = [s.block_ids[q // block_size] * block_size + q % block_size for s, q in zip(seqs, first)]
-            np.add(pos[:t], 1, out=lens[:t], casting="unsafe")
-            starts[1:t + 1] = self._arange[1:t + 1]
-            longest = max(first) + 1 if t else 0
-        else:
-            t = 0
-            longest = 0
-            for i, s in enumerate(seqs):
-                n, start, blocks = len(s.token_ids), s.start_pos, s.block_ids
-                end = start + n
-                lens[i] = end
-                if end > longest:
-                    longest = end
-                if n == 1:
-                    ids[t] = s.token_ids[0]
-                    pos[t] = start
-                    slots[t] = blocks[start // block_size] * block_size + start % block_size
-                else:
-                    p = np.arange(start, end)
-                    ids[t:t + n] = s.token_ids
-                    pos[t:t + n] = p
-                    slots[t:t + n] = np.asarray(blocks, dtype=np.int64)[p // block_size] * block_size + p % block_size
-                t += n
-                starts[i + 1] = t
+        t = 0
+        longest = 0
+        for i, s in enumerate(seqs):
+            n, start, blocks = len(s.token_ids), s.start_pos, s.block_ids
+            end = start + n
+            lens[i] = end
+            if end > longest:
+                longest = end
+            if n == 1:
+                ids[t] = s.token_ids[0]
+                pos[t] = start
+                slots[t] = blocks[start // block_size] * block_size + start % block_size
+            else:
+                p = np.arange(start, end)
+                ids[t:t + n] = s.token_ids
+                pos[t:t + n] = p
+                slots[t:t + n] = np.asarray(blocks, dtype=np.int64)[p // block_size] * block_size + p % block_size
+            t += n
+            starts[i + 1] = t
         if t < padded_tokens:
             ids[t:padded_tokens] = 0
             pos[t:padded_tokens] = 0

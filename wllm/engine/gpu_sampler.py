@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from wllm.engine.sampler import SamplingRow
-from wllm.kernels.sampling import SamplingLists, pack_sampling_rows, sampling_lists, sequence_seed
+from wllm.kernels.sampling import SamplingLists, pack_sampling_rows, row_parameters, sampling_lists
 from wllm.outputs import StepLogprobs, TokenLogprob
 
 
@@ -172,12 +172,11 @@ class SamplingBuffers:
             if i < known and before[i] is row:
                 continue
             p = row.params
-            if p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or \
-                    p.presence_penalty != 0.0:
+            if p.logit_bias or p.min_tokens or p.has_penalties:
                 return False
-            f32_np[i] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
-                         p.presence_penalty)
-            i64_np[i, :2] = (max(p.top_k, 0), sequence_seed(row.seed, row.index))
+            f32, top_k, key = row_parameters(row)
+            f32_np[i] = f32
+            i64_np[i, :2] = (top_k, key)
         n = len(rows)
         counts = i64_np[:n, 2]
         counts[:] = [len(row.output_token_ids) for row in rows]
@@ -185,7 +184,6 @@ class SamplingBuffers:
             counts += ahead
         self._staged_to, self._staged_rows = f32_np, list(rows)
         return True
-
 
 
 def logprob_matrix(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> torch.Tensor:

@@ -398,7 +398,7 @@ class Scheduler:
                 if seq.group.prompt_logprobs is not None and computed < seq.num_prompt_tokens:
                     # which positions it reports depends on prev's prompt logprobs
                     return self._refuse("prompt logprobs")
-            elif p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+            elif p.has_penalties:
                 return self._refuse("penalties")  # their counts need prev's token on the host
             plan.append((seq, computed, num_new, prev_row))
             budget -= num_new

@@ -9,6 +9,7 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -127,6 +128,14 @@ class SamplingLists:
     pen_cnt: list[int]
 
 
+def row_parameters(row: Any) -> tuple[tuple[float, float, float, float, float, float], int, int]:
+    """An engine row's fixed kernel parameters: its fp32 row (temperature, top_p, min_p, repetition,
+    frequency, presence) and the first two int64 columns (top_k, Philox key); the third is its output count."""
+    p = row.params
+    return ((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty, p.presence_penalty),
+            max(p.top_k, 0), sequence_seed(row.seed, row.index))
+
+
 def sampling_lists(rows: Sequence, vocab_size: int | None = None, ahead: int | Sequence = 0) -> SamplingLists:
     """Engine rows (objects with params: SamplingParams, seed, index, prompt_token_ids, output_token_ids,
     eos_token_ids) as kernel inputs, with the CPU sampler's semantics: logit_bias plus -inf bans of EOS /
@@ -140,9 +149,9 @@ def sampling_lists(rows: Sequence, vocab_size: int | None = None, ahead: int | S
     for i, row in enumerate(rows):
         p = row.params
         n_out = len(row.output_token_ids) + (ahead[i] if per_row else ahead)
-        out.f32.append((p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.frequency_penalty,
-                        p.presence_penalty))
-        out.i64.append((max(p.top_k, 0), sequence_seed(row.seed, row.index), n_out))
+        f32, top_k, key = row_parameters(row)
+        out.f32.append(f32)
+        out.i64.append((top_k, key, n_out))
         for token, value in (p.logit_bias or {}).items():
             if vocab_size is None or 0 <= int(token) < vocab_size:
                 out.bias_tok.append(int(token))
@@ -153,7 +162,7 @@ def sampling_lists(rows: Sequence, vocab_size: int | None = None, ahead: int | S
             out.bias_tok += banned
             out.bias_val += [float("-inf")] * len(banned)
         out.bias_off.append(len(out.bias_tok))
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        if p.has_penalties:
             counts = dict.fromkeys(row.prompt_token_ids, 0)
             for token in row.output_token_ids:
                 counts[token] = counts.get(token, 0) + 1
