@@ -77,11 +77,13 @@ class ServerProcess:
         self._log_file.close()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Every test of the main server runs twice: engine in a thread (the default), then `--engine-process`."""
     default_model_path()  # fetch outside the server's start-up deadline
+    extra = ["--engine-process"] if request.param == "engine-process" else []
     s = ServerProcess(["--api-key", KEY, "--max-model-len", "512", "--kv-cache-memory", "0.25",
-                       "--log-format", "json"], tmp_path_factory.mktemp("srv") / "server.log")
+                       "--log-format", "json", *extra], tmp_path_factory.mktemp("srv") / "server.log")
     yield s
     s.stop()
 

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from wllm.engine.engine_process import EngineProcess
 from wllm.engine.llm_engine import LLMEngine
 from wllm.outputs import CompletionOutput, RequestOutput
 from wllm.sampling_params import SamplingParams
@@ -83,7 +84,7 @@ class _Stream:
 class AsyncEngine:
     """Serve an `LLMEngine` to asyncio code. Satisfies the HTTP layer's `EngineClient`."""
 
-    def __init__(self, engine: LLMEngine, max_consecutive_failures: int = 3) -> None:
+    def __init__(self, engine: LLMEngine | EngineProcess, max_consecutive_failures: int = 3) -> None:
         self.engine = engine
         self.max_consecutive_failures = max_consecutive_failures
         self._streams: dict[str, _Stream] = {}
@@ -94,6 +95,9 @@ class AsyncEngine:
         self._consecutive_failures = 0
         self._thread: threading.Thread | None = None
         self._stats: dict[str, Any] = engine.stats()
+        # An EngineProcess validates requests in its child: one it refuses comes back after a step.
+        self._take_rejected: Callable[[], list[tuple[str, BaseException]]] | None = getattr(
+            engine, "take_rejected", None)
 
     @property
     def tokenizer(self) -> Any:
@@ -119,14 +123,17 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._run, name="wllm-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self) -> None:
-        """Stop the loop thread; pending requests get an error output."""
+    def shutdown(self, close_engine: bool = False) -> None:
+        """Stop the loop thread; pending requests get an error output. `close_engine`: then close the
+        engine too (an `EngineProcess`'s child exits; an `LLMEngine` frees the GPU)."""
         with self._wake:
             self._stop = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if close_engine:
+            self.engine.close()
 
     def _submit(self, command: Callable[[], None]) -> None:
         with self._wake:
@@ -244,6 +251,11 @@ class AsyncEngine:
                 else:
                     self._consecutive_failures = 0
                 self._deliver(outputs)
+                if self._take_rejected is not None:
+                    for request_id, error in self._take_rejected():
+                        stream = self._streams.pop(request_id, None)
+                        if stream is not None:
+                            stream.put(error)
                 if self._consecutive_failures >= self.max_consecutive_failures:
                     raise EngineDeadError(f"{self._consecutive_failures} engine steps failed in a row")
             self._fail_all("the engine was shut down")

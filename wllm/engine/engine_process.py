@@ -1,0 +1,394 @@
+"""`EngineProcess`: an `LLMEngine` in a spawned child process, driven through a pipe by `AsyncEngine`.
+
+Why: in one process the engine thread and the server's event loop share one GIL. At 256 streaming clients
+(H200, Qwen2.5-0.5B shape) each waits on the other: the engine's step took 3-4 ms of wall time for ~2 ms of
+GPU work and the loop lagged up to ~0.2 s, so clients saw an inter-token p50 of 34-45 ms. With the engine
+in its own process (its own interpreter and GIL) the same load gave 12.6 ms (benchmarks/RESULTS.md,
+session 21). `wllm serve --engine-process` turns it on.
+
+The parent holds this object in place of an `LLMEngine`: `AsyncEngine` runs its usual loop over it, and
+`step()` returns the child's next batch of outputs. Commands go to the child as they come (`add_request`,
+`abort` return at once); the child applies them between its steps and runs steps for as long as it has
+work, sending one message per step. Outputs cross the pipe as deltas (new token ids, logprobs and text
+since the last message) and are rebuilt here as cumulative `RequestOutput`s, so a long stream costs the
+same per step as a short one. A request the child refuses (`ValueError`, `QueueFullError`) comes back as
+an error for that request's stream (`take_rejected`); an aborted request's blocks are freed by the child
+at its next step boundary. Works with the spawn start method only (the default on Windows and macOS; the
+child never inherits the parent's CUDA state): the child imports wllm afresh and loads the model itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from wllm.outputs import CompletionOutput, ListPrefix, RequestOutput
+from wllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineProcess", "EngineProcessError"]
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed to start or stopped (its message says why)."""
+
+
+# ----------------------------------------------------------------------------------- output deltas
+# A request's message: (request_id, prompt ids or None once sent, finished, num_cached_tokens, error, metrics,
+# new prompt logprobs or None, [choice delta]); a choice delta: (index, new token ids, new logprobs or None,
+# text kept, text added, cumulative logprob, finish reason, stop reason).
+
+
+class _DeltaEncoder:
+    """Child side: what each running request's consumer has been sent, to send only what is new."""
+
+    def __init__(self) -> None:
+        # request id -> [prompt logprobs sent, {choice index: [tokens sent, logprobs sent, text sent]}]
+        self._sent: dict[str, list[Any]] = {}
+
+    def encode(self, out: RequestOutput) -> tuple[Any, ...]:
+        state = self._sent.get(out.request_id)
+        first = state is None
+        if state is None:
+            state = self._sent[out.request_id] = [0, {}]
+        prompt_lps = None
+        if out.prompt_logprobs is not None:
+            prompt_lps = out.prompt_logprobs[state[0]:]
+            state[0] = len(out.prompt_logprobs)
+        choices = []
+        for c in out.outputs:
+            sent = state[1].get(c.index)
+            if sent is None:
+                sent = state[1][c.index] = [0, 0, ""]
+            ids = c.token_ids[sent[0]:]
+            lps = None if c.logprobs is None else c.logprobs[sent[1]:]
+            old, text = sent[2], c.text
+            keep = len(old) if text.startswith(old) else len(os.path.commonprefix([old, text]))
+            choices.append((c.index, ids, lps, keep, text[keep:], c.cumulative_logprob, c.finish_reason,
+                            c.stop_reason))
+            sent[0] = len(c.token_ids)
+            sent[1] = 0 if c.logprobs is None else len(c.logprobs)
+            sent[2] = text
+        if out.finished:
+            del self._sent[out.request_id]
+        prompt = list(out.prompt_token_ids) if first else None
+        return (out.request_id, prompt, out.finished, out.num_cached_tokens, out.error, out.metrics, prompt_lps,
+                choices)
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+class _DeltaDecoder:
+    """Parent side: each running request's cumulative lists, rebuilt from the child's deltas."""
+
+    def __init__(self) -> None:
+        # request id -> [prompt ids, prompt logprobs or None, {choice index: [token ids, logprobs, text]}]
+        self._state: dict[str, list[Any]] = {}
+
+    def decode(self, msg: tuple[Any, ...]) -> RequestOutput:
+        rid, prompt, finished, cached, error, metrics, prompt_lps, choices = msg
+        state = self._state.get(rid)
+        if state is None:
+            state = self._state[rid] = [prompt or [], None, {}]
+        if prompt_lps is not None:
+            if state[1] is None:
+                state[1] = []
+            state[1].extend(prompt_lps)
+        snap = list if finished else ListPrefix
+        outs = []
+        for index, ids, lps, keep, added, cum, reason, stop in choices:
+            c = state[2].get(index)
+            if c is None:
+                c = state[2][index] = [[], None if lps is None else [], ""]
+            c[0].extend(ids)
+            if lps is not None:
+                if c[1] is None:
+                    c[1] = []
+                c[1].extend(lps)
+            c[2] = c[2][:keep] + added if keep < len(c[2]) else c[2] + added
+            outs.append(CompletionOutput(index=index, text=c[2], token_ids=snap(c[0]), cumulative_logprob=cum,
+                                         logprobs=None if c[1] is None else snap(c[1]), finish_reason=reason,
+                                         stop_reason=stop))
+        if finished:
+            del self._state[rid]
+        return RequestOutput(request_id=rid, prompt_token_ids=state[0], outputs=outs, finished=finished,
+                             num_cached_tokens=cached,
+                             prompt_logprobs=None if state[1] is None else snap(state[1]),
+                             metrics=metrics, error=error)
+
+    def final(self, request_id: str, prompt: list[int], reason: str) -> RequestOutput:
+        """The finished output of a request stopped here (every unfinished choice gets `reason`), from what
+        has come so far; forgets the request."""
+        state = self._state.pop(request_id, None) or [prompt, None, {}]
+        outs = [CompletionOutput(index=i, text=c[2], token_ids=list(c[0]),
+                                 logprobs=None if c[1] is None else list(c[1]), finish_reason=reason)
+                for i, c in sorted(state[2].items())] or [CompletionOutput(0, "", [], finish_reason=reason)]
+        return RequestOutput(request_id=request_id, prompt_token_ids=state[0], outputs=outs, finished=True,
+                             prompt_logprobs=None if state[1] is None else list(state[1]))
+
+    def forget(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+
+
+# ------------------------------------------------------------------------------------------- child
+def _child_main(model: str, engine_kwargs: dict[str, Any], commands: Any, conn: Any,
+                log: tuple[str, str] | None, factory: Callable[..., Any] | None) -> None:
+    """The engine process: load the model, report ready (or the error) on `conn`, then apply what comes on
+    `commands` and run steps."""
+    # Ctrl+C (and Windows' Ctrl+Break) reach every process of the console: the parent drains its requests and
+    # then stops the engine. SIGTERM is left alone: multiprocessing stops a forgotten child with it at exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGBREAK"):
+        signal.signal(signal.SIGBREAK, signal.SIG_IGN)
+    if log is not None:
+        from wllm.observability.logs import setup_logging
+        setup_logging(*log)
+    if factory is None:
+        from wllm.engine.llm_engine import LLMEngine
+
+        factory = LLMEngine.from_pretrained
+    try:
+        engine = factory(model, **engine_kwargs)
+    except BaseException as e:
+        _send_error(conn, e)
+        return
+    try:
+        conn.send(("ready", engine.tokenizer, engine.max_model_len, engine.stats(), engine.model_source))
+        _serve(engine, commands, conn)
+    except (EOFError, BrokenPipeError, ConnectionError):
+        pass  # the parent is gone
+    except BaseException as e:  # noqa: BLE001 -- reported to the parent, which fails every request
+        logger.exception("engine process failed")
+        _send_error(conn, e, kind="dead")
+    finally:
+        engine.close()
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """`error`, or for one that does not pickle a ValueError / EngineProcessError with its type and message."""
+    try:
+        pickle.dumps(error)
+        return error
+    except Exception:
+        kind = ValueError if isinstance(error, ValueError) else EngineProcessError
+        return kind(f"{type(error).__name__}: {error}")
+
+
+def _send_error(conn: Any, error: BaseException, kind: str = "error") -> None:
+    try:
+        conn.send((kind, _picklable(error)))
+    except Exception:
+        pass  # the parent is gone
+
+
+def _serve(engine: Any, commands: Any, conn: Any) -> None:
+    encoder = _DeltaEncoder()
+    while True:
+        # Apply every command that has come; wait for one only while there is nothing to run.
+        while not engine.has_unfinished() or commands.poll():
+            msg = commands.recv()
+            kind = msg[0]
+            if kind == "add":
+                _, rid, prompt, params, priority, cache_salt, arrival = msg
+                try:
+                    engine.add_request(rid, prompt, params, priority=priority, cache_salt=cache_salt,
+                                       arrival_time=arrival)
+                except Exception as e:  # the request's own error: its stream gets it, the engine goes on
+                    conn.send(("rejected", rid, _picklable(e), engine.stats()))
+            elif kind == "abort":
+                engine.abort(msg[1])
+                encoder.forget(msg[1])
+                conn.send(("aborted", msg[1], engine.stats()))
+            elif kind == "stop":
+                return
+        outputs = engine.step()
+        conn.send(("step", [encoder.encode(o) for o in outputs], engine.stats(), engine.num_failed_steps))
+
+
+# ------------------------------------------------------------------------------------------ parent
+class EngineProcess:
+    """An `LLMEngine` running in a child process; the object `AsyncEngine` drives in its place.
+
+    `model` and `engine_kwargs` are `LLMEngine.from_pretrained`'s arguments (loaded in the child);
+    `log` = (format, level) sets up the child's logging as `wllm serve` does; `engine_factory` (a
+    module-level callable, called in the child as `engine_factory(model, **engine_kwargs)`) replaces
+    `LLMEngine.from_pretrained` (tests). Raises what the child's load raised (a ValueError naming the
+    file, say), or EngineProcessError if it died while starting. Not thread-safe: one thread
+    (AsyncEngine's) calls everything but `stats`."""
+
+    def __init__(self, model: str, engine_kwargs: dict[str, Any] | None = None, *,
+                 log: tuple[str, str] | None = None, engine_factory: Callable[..., Any] | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        # One pipe each way, each end used by one thread: commands are written by a sender thread, results
+        # read by AsyncEngine's. A thread that sent and read in turn could block sending while the child
+        # blocks sending its results, each pipe full, each side waiting on the other.
+        commands_in, self._commands = ctx.Pipe(duplex=False)
+        self._conn, results_out = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_child_main,
+                                 args=(model, dict(engine_kwargs or {}), commands_in, results_out, log,
+                                       engine_factory),
+                                 name="wllm-engine-process", daemon=True)
+        self._proc.start()
+        commands_in.close()  # the child's ends: EOF on ours once it has exited
+        results_out.close()
+        self._outbox: deque[tuple[Any, ...]] = deque()
+        self._outbox_ready = threading.Condition()
+        self._send_error: str | None = None
+        self.closed = False
+        try:
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            msg = ("error", None)
+        if msg[0] != "ready":
+            self._proc.join(5)
+            self._conn.close()
+            self._commands.close()
+            if msg[1] is None:
+                raise EngineProcessError(
+                    f"the engine process exited while starting (exit code {self._proc.exitcode})")
+            raise msg[1]
+        _, self.tokenizer, self.max_model_len, self._stats, self.model_source = msg
+        self.num_failed_steps = 0
+        self._sender = threading.Thread(target=self._send_loop, name="wllm-engine-process-send", daemon=True)
+        self._sender.start()
+        self._unfinished: dict[str, list[int]] = {}  # request id -> prompt ids
+        self._aborts_unanswered = 0  # read on until the child's answer (and its fresh stats) are in
+        self._rejected: deque[tuple[str, BaseException]] = deque()
+        self._decoder = _DeltaDecoder()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # ------------------------------------------------------------------ what AsyncEngine calls
+    def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | None = None, *,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Send a request to the child. Its validation happens there: a refused request comes back from
+        `take_rejected` after a later `step()`."""
+        if request_id in self._unfinished:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = list(prompt)
+        self._send(("add", request_id, ids, params or SamplingParams(), priority, cache_salt,
+                    time.monotonic() if arrival_time is None else arrival_time))
+        self._unfinished[request_id] = ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request; returns its final output (what had come so far, finish reason "abort"), None
+        if it is not running. The child frees its blocks at its next step boundary."""
+        prompt = self._unfinished.pop(request_id, None)
+        if prompt is None:
+            return None
+        if self._send_error is None:  # a gone child has nothing left to abort; the reader sees its exit
+            self._put(("abort", request_id))
+            self._aborts_unanswered += 1
+        return self._decoder.final(request_id, prompt, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished) or self._aborts_unanswered > 0
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of the child's next step (waits for it). A rejection or an abort's answer returns an
+        empty list. Raises EngineProcessError when the child has stopped."""
+        try:
+            msg = self._conn.recv()
+        except (EOFError, OSError):
+            self._proc.join(5)
+            raise EngineProcessError(f"the engine process exited (exit code {self._proc.exitcode})") from None
+        kind = msg[0]
+        if kind == "step":
+            _, encoded, self._stats, self.num_failed_steps = msg
+            outputs = []
+            for m in encoded:
+                if m[0] not in self._unfinished:
+                    self._decoder.forget(m[0])
+                    continue  # aborted here while the step ran
+                out = self._decoder.decode(m)
+                if out.finished:
+                    del self._unfinished[out.request_id]
+                outputs.append(out)
+            return outputs
+        if kind == "rejected":
+            _, rid, error, self._stats = msg
+            if self._unfinished.pop(rid, None) is not None:
+                self._rejected.append((rid, error))
+            return []
+        if kind == "aborted":
+            self._stats = msg[2]
+            self._aborts_unanswered -= 1
+            return []
+        if kind == "dead":
+            raise EngineProcessError(f"the engine process failed: {msg[1]}")
+        raise EngineProcessError(f"unexpected message from the engine process: {kind!r}")
+
+    def take_rejected(self) -> list[tuple[str, BaseException]]:
+        """Requests the child refused since the last call, with the error `add_request` raised there."""
+        out = list(self._rejected)
+        self._rejected.clear()
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the child (it frees the GPU as it exits) and wait for it; kill it after `timeout` s."""
+        if self.closed:
+            return
+        self.closed = True
+        if hasattr(self, "_sender"):
+            self._put(("stop",))
+            deadline = time.monotonic() + timeout
+            # Read on while waiting: a child blocked sending a step's results would never see the stop.
+            while self._proc.is_alive() and time.monotonic() < deadline:
+                try:
+                    if self._conn.poll(0.05):
+                        self._conn.recv()
+                except (EOFError, OSError):
+                    break
+            self._proc.join(max(0.0, deadline - time.monotonic()))
+            with self._outbox_ready:
+                self._outbox_ready.notify()
+        if self._proc.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self._proc.kill()
+            self._proc.join(5)
+        self._conn.close()
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        if self._send_error is not None:
+            raise EngineProcessError(f"the engine process is gone ({self._send_error})")
+        self._put(msg)
+
+    def _put(self, msg: tuple[Any, ...]) -> None:
+        with self._outbox_ready:
+            self._outbox.append(msg)
+            self._outbox_ready.notify()
+
+    def _send_loop(self) -> None:
+        """The sender thread: writes queued commands to the child in order, never holding up the reader."""
+        while True:
+            with self._outbox_ready:
+                while not self._outbox and not (self.closed and not self._proc.is_alive()):
+                    self._outbox_ready.wait()
+                if not self._outbox:
+                    break
+                batch = list(self._outbox)
+                self._outbox.clear()
+            try:
+                for msg in batch:
+                    self._commands.send(msg)
+                    if msg[0] == "stop":
+                        self._commands.close()
+                        return
+            except (OSError, ValueError) as e:
+                self._send_error = str(e)  # the child is gone; the reader sees its exit
+                return
