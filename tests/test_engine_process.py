@@ -15,7 +15,7 @@ import time
 import pytest
 
 from wllm.engine.async_engine import AsyncEngine, EngineDeadError
-from wllm.engine.engine_process import EngineProcess, _DeltaDecoder, _DeltaEncoder
+from wllm.engine.engine_process import EngineProcess, _DeltaEncoder, _Request
 from wllm.engine.llm_engine import LLMEngine
 from wllm.model.default_model import default_model_path
 from wllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepLogprobs, TokenLogprob
@@ -164,7 +164,8 @@ def test_deltas_rebuild_every_output():
     grows or is rewritten (a held-back stop string released or dropped), choices that appear later, prompt
     logprobs in chunks, several requests interleaved."""
     rng = random.Random(0)
-    enc, dec = _DeltaEncoder(), _DeltaDecoder()
+    enc = _DeltaEncoder()
+    dec: dict[str, _Request] = {}
     state: dict[str, dict] = {}
     for step in range(400):
         rid = f"q{rng.randrange(5)}"
@@ -190,7 +191,9 @@ def test_deltas_rebuild_every_output():
         out = RequestOutput(request_id=rid, prompt_token_ids=s["prompt"], outputs=outs, finished=finished,
                             num_cached_tokens=step % 7, prompt_logprobs=list(s["plp"]),
                             metrics=RequestMetrics(arrival_time=float(step)))
-        back = dec.decode(enc.encode(out))
+        if rid not in dec:
+            dec[rid] = _Request(rid, s["prompt"])
+        back = dec[rid].apply(enc.encode(out))
         assert back.request_id == rid and back.finished == finished
         assert list(back.prompt_token_ids) == s["prompt"] and list(back.prompt_logprobs) == s["plp"]
         assert back.num_cached_tokens == step % 7 and back.metrics == out.metrics
@@ -198,8 +201,8 @@ def test_deltas_rebuild_every_output():
             assert (b.index, b.text, list(b.token_ids), list(b.logprobs), b.cumulative_logprob, b.finish_reason) \
                 == (o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason)
         if finished:
-            del state[rid]
-    assert set(enc._sent) == set(state) == set(dec._state)
+            del state[rid], dec[rid]
+    assert set(enc._sent) == set(state) == set(dec)
 
 
 def test_a_burst_of_long_prompts_while_streaming(proc_engine):
@@ -253,6 +256,20 @@ def test_commands_and_results_never_wait_on_each_other():
     assert all(o[-1].outputs[0].token_ids == [7, 8, 9] and o[-1].outputs[0].text == "ttt" for o in outs)
 
 
+def test_a_child_that_dies_while_idle_makes_the_engine_unhealthy():
+    engine = _flood_engine()
+    try:
+        assert asyncio.run(_stream(engine, [1], SamplingParams(max_tokens=2), "a"))[-1].finished
+        assert engine.is_healthy()
+        engine.engine._proc.kill()
+        engine.engine._proc.join(10)
+        assert not engine.is_healthy()  # /health answers 503 without waiting for a request
+        with pytest.raises(EngineDeadError, match="process exited"):
+            asyncio.run(_stream(engine, [1], SamplingParams(max_tokens=2), "b"))
+    finally:
+        engine.shutdown(close_engine=True)
+
+
 def test_a_child_whose_step_raises_fails_the_engine():
     engine = _flood_engine(fail_at_step=3)
     try:
@@ -269,3 +286,26 @@ def test_a_factory_error_reaches_the_caller():
 
     with pytest.raises(ValueError, match="only serves 'flood'"):
         EngineProcess("other", engine_factory=FloodEngine.create)
+
+
+def test_an_id_reused_right_after_its_abort_gets_only_its_own_outputs():
+    """The child sends a step's outputs before it sees an abort; a new request under the aborted id, added
+    meanwhile, must not receive the old request's tokens."""
+    engine = _flood_engine()
+    try:
+        async def main():
+            results = []
+            for round_ in range(300):
+                old = [100000 + round_] * 5
+                async for out in engine.generate(old, SamplingParams(max_tokens=1000), "same"):
+                    if len(out.outputs[0].token_ids) >= 2:
+                        await engine.abort("same")
+                new = [200000 + round_] * 3
+                results.append((new, await _stream(engine, new, SamplingParams(max_tokens=3), "same")))
+            return results
+
+        for new, outs in asyncio.run(asyncio.wait_for(main(), 60)):
+            assert all(list(o.prompt_token_ids) == new for o in outs)
+            assert outs[-1].outputs[0].token_ids == [7, 8, 9]
+    finally:
+        engine.shutdown(close_engine=True)

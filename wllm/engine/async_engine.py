@@ -98,6 +98,8 @@ class AsyncEngine:
         # An EngineProcess validates requests in its child: one it refuses comes back after a step.
         self._take_rejected: Callable[[], list[tuple[str, BaseException]]] | None = getattr(
             engine, "take_rejected", None)
+        # ... and can die while idle, when no step is there to notice: health asks it directly.
+        self._engine_alive: Callable[[], bool] | None = getattr(engine, "is_alive", None)
 
     @property
     def tokenizer(self) -> Any:
@@ -108,7 +110,7 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def is_healthy(self) -> bool:
-        return self._dead is None
+        return self._dead is None and (self._engine_alive is None or self._engine_alive())
 
     def stats(self) -> dict[str, Any]:
         """The last step's engine stats plus health and stream counts (safe from any thread)."""
@@ -155,8 +157,8 @@ class AsyncEngine:
         newest; the finished one always comes). Raises QueueFullError (queue at
         its bound), ValueError (bad input) or EngineDeadError; aborts the request if the consumer
         stops iterating."""
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine has stopped after an error: {self._dead}")
+        if not self.is_healthy():
+            raise EngineDeadError(f"the engine has stopped after an error: {self._dead or 'its process exited'}")
         self.start()
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future[None] = loop.create_future()
@@ -190,7 +192,8 @@ class AsyncEngine:
                 self._submit(lambda: self._abort_now(request_id))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request and return once the engine has freed its blocks (an unknown id is a no-op)."""
+        """Abort a request and return once the engine has freed its blocks (an EngineProcess frees them at
+        its next step boundary, shortly after); an unknown id is a no-op."""
         if self._dead is not None:
             return
         loop = asyncio.get_running_loop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -43,21 +44,20 @@ class EngineProcessError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------- output deltas
-# A request's message: (request_id, prompt ids or None once sent, finished, num_cached_tokens, error, metrics,
-# new prompt logprobs or None, [choice delta]); a choice delta: (index, new token ids, new logprobs or None,
-# text kept, text added, cumulative logprob, finish reason, stop reason).
+# A request's message: (key, finished, num_cached_tokens, error, metrics, new prompt logprobs or None,
+# [choice delta]); a choice delta: (index, new token ids, new logprobs or None, text kept, text added,
+# cumulative logprob, finish reason, stop reason). The prompt never crosses back: the parent sent it.
 
 
 class _DeltaEncoder:
     """Child side: what each running request's consumer has been sent, to send only what is new."""
 
     def __init__(self) -> None:
-        # request id -> [prompt logprobs sent, {choice index: [tokens sent, logprobs sent, text sent]}]
+        # key -> [prompt logprobs sent, {choice index: [tokens sent, logprobs sent, text sent]}]
         self._sent: dict[str, list[Any]] = {}
 
     def encode(self, out: RequestOutput) -> tuple[Any, ...]:
         state = self._sent.get(out.request_id)
-        first = state is None
         if state is None:
             state = self._sent[out.request_id] = [0, {}]
         prompt_lps = None
@@ -80,64 +80,62 @@ class _DeltaEncoder:
             sent[2] = text
         if out.finished:
             del self._sent[out.request_id]
-        prompt = list(out.prompt_token_ids) if first else None
-        return (out.request_id, prompt, out.finished, out.num_cached_tokens, out.error, out.metrics, prompt_lps,
-                choices)
+        return (out.request_id, out.finished, out.num_cached_tokens, out.error, out.metrics, prompt_lps, choices)
 
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
+    def forget(self, key: str) -> None:
+        self._sent.pop(key, None)
 
 
-class _DeltaDecoder:
-    """Parent side: each running request's cumulative lists, rebuilt from the child's deltas."""
+class _Request:
+    """Parent side: one request's cumulative outputs, rebuilt from the child's deltas."""
 
-    def __init__(self) -> None:
-        # request id -> [prompt ids, prompt logprobs or None, {choice index: [token ids, logprobs, text]}]
-        self._state: dict[str, list[Any]] = {}
+    __slots__ = ("request_id", "prompt", "prompt_logprobs", "choices", "cached", "metrics")
 
-    def decode(self, msg: tuple[Any, ...]) -> RequestOutput:
-        rid, prompt, finished, cached, error, metrics, prompt_lps, choices = msg
-        state = self._state.get(rid)
-        if state is None:
-            state = self._state[rid] = [prompt or [], None, {}]
+    def __init__(self, request_id: str, prompt: list[int]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_logprobs: list[Any] | None = None
+        # index -> [token ids, logprobs or None, text, cumulative logprob, finish reason, stop reason]
+        self.choices: dict[int, list[Any]] = {}
+        self.cached = 0
+        self.metrics: Any = None
+
+    def apply(self, msg: tuple[Any, ...]) -> RequestOutput:
+        """The cumulative output after one of the child's messages for this request."""
+        _, finished, self.cached, error, self.metrics, prompt_lps, deltas = msg
         if prompt_lps is not None:
-            if state[1] is None:
-                state[1] = []
-            state[1].extend(prompt_lps)
-        snap = list if finished else ListPrefix
-        outs = []
-        for index, ids, lps, keep, added, cum, reason, stop in choices:
-            c = state[2].get(index)
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.extend(prompt_lps)
+        for index, ids, lps, keep, added, cum, reason, stop in deltas:
+            c = self.choices.get(index)
             if c is None:
-                c = state[2][index] = [[], None if lps is None else [], ""]
+                c = self.choices[index] = [[], None, "", None, None, None]
             c[0].extend(ids)
             if lps is not None:
                 if c[1] is None:
                     c[1] = []
                 c[1].extend(lps)
             c[2] = c[2][:keep] + added if keep < len(c[2]) else c[2] + added
-            outs.append(CompletionOutput(index=index, text=c[2], token_ids=snap(c[0]), cumulative_logprob=cum,
-                                         logprobs=None if c[1] is None else snap(c[1]), finish_reason=reason,
-                                         stop_reason=stop))
-        if finished:
-            del self._state[rid]
-        return RequestOutput(request_id=rid, prompt_token_ids=state[0], outputs=outs, finished=finished,
-                             num_cached_tokens=cached,
-                             prompt_logprobs=None if state[1] is None else snap(state[1]),
-                             metrics=metrics, error=error)
+            c[3], c[4], c[5] = cum, reason, stop
+        return self.output(finished, [c[0] for c in deltas], error)
 
-    def final(self, request_id: str, prompt: list[int], reason: str) -> RequestOutput:
-        """The finished output of a request stopped here (every unfinished choice gets `reason`), from what
-        has come so far; forgets the request."""
-        state = self._state.pop(request_id, None) or [prompt, None, {}]
-        outs = [CompletionOutput(index=i, text=c[2], token_ids=list(c[0]),
-                                 logprobs=None if c[1] is None else list(c[1]), finish_reason=reason)
-                for i, c in sorted(state[2].items())] or [CompletionOutput(0, "", [], finish_reason=reason)]
-        return RequestOutput(request_id=request_id, prompt_token_ids=state[0], outputs=outs, finished=True,
-                             prompt_logprobs=None if state[1] is None else list(state[1]))
-
-    def forget(self, request_id: str) -> None:
-        self._state.pop(request_id, None)
+    def output(self, finished: bool, indices: Iterable[int] | None = None, error: str | None = None,
+               reason: str | None = None) -> RequestOutput:
+        """The output now: views of the growing lists while running, lists once finished; `reason` for the
+        choices that have none (an abort). `indices`: the choices in the child's order (default: by index)."""
+        snap = list if finished else ListPrefix
+        order = sorted(self.choices) if indices is None else indices
+        outs = [CompletionOutput(index=i, text=c[2], token_ids=snap(c[0]), cumulative_logprob=c[3],
+                                 logprobs=None if c[1] is None else snap(c[1]), finish_reason=c[4] or reason,
+                                 stop_reason=c[5])
+                for i in order for c in (self.choices[i],)]
+        if not outs and reason is not None:
+            outs = [CompletionOutput(0, "", [], finish_reason=reason)]
+        plp = self.prompt_logprobs
+        return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt, outputs=outs,
+                             finished=finished, num_cached_tokens=self.cached,
+                             prompt_logprobs=None if plp is None else snap(plp), metrics=self.metrics, error=error)
 
 
 # ------------------------------------------------------------------------------------------- child
@@ -177,7 +175,7 @@ def _child_main(model: str, engine_kwargs: dict[str, Any], commands: Any, conn: 
 def _picklable(error: BaseException) -> BaseException:
     """`error`, or for one that does not pickle a ValueError / EngineProcessError with its type and message."""
     try:
-        pickle.dumps(error)
+        pickle.loads(pickle.dumps(error))
         return error
     except Exception:
         kind = ValueError if isinstance(error, ValueError) else EngineProcessError
@@ -246,7 +244,7 @@ class EngineProcess:
         self._send_error: str | None = None
         self.closed = False
         try:
-            msg = self._conn.recv()
+            msg = self._recv()
         except (EOFError, OSError):
             msg = ("error", None)
         if msg[0] != "ready":
@@ -261,74 +259,99 @@ class EngineProcess:
         self.num_failed_steps = 0
         self._sender = threading.Thread(target=self._send_loop, name="wllm-engine-process-send", daemon=True)
         self._sender.start()
-        self._unfinished: dict[str, list[int]] = {}  # request id -> prompt ids
+        # The child knows each request by a key never used before ("<id>#<n>"): a step's output for a request
+        # aborted here (sent before the child saw the abort) cannot land on a new request of the same id.
+        self._next_key = 0
+        self._keys: dict[str, str] = {}  # request id -> key of its running request
+        self._running: dict[str, _Request] = {}  # key -> its request
         self._aborts_unanswered = 0  # read on until the child's answer (and its fresh stats) are in
         self._rejected: deque[tuple[str, BaseException]] = deque()
-        self._decoder = _DeltaDecoder()
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    def is_alive(self) -> bool:
+        """Whether the child still runs (False once closed)."""
+        return not self.closed and self._proc.is_alive()
 
     # ------------------------------------------------------------------ what AsyncEngine calls
     def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Send a request to the child. Its validation happens there: a refused request comes back from
         `take_rejected` after a later `step()`."""
-        if request_id in self._unfinished:
+        if request_id in self._keys:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt)
-        self._send(("add", request_id, ids, params or SamplingParams(), priority, cache_salt,
+        key = f"{request_id}#{self._next_key}"
+        self._send(("add", key, ids, params or SamplingParams(), priority, cache_salt,
                     time.monotonic() if arrival_time is None else arrival_time))
-        self._unfinished[request_id] = ids
+        self._next_key += 1
+        self._keys[request_id] = key
+        self._running[key] = _Request(request_id, ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request; returns its final output (what had come so far, finish reason "abort"), None
-        if it is not running. The child frees its blocks at its next step boundary."""
-        prompt = self._unfinished.pop(request_id, None)
-        if prompt is None:
+        """Stop a request; returns its final output (what had come so far, finish reason "abort" for the
+        choices still running), None if it is not running. The child frees its blocks at its next step
+        boundary."""
+        key = self._keys.pop(request_id, None)
+        if key is None:
             return None
+        request = self._running.pop(key)
         if self._send_error is None:  # a gone child has nothing left to abort; the reader sees its exit
-            self._put(("abort", request_id))
+            self._put(("abort", key))
             self._aborts_unanswered += 1
-        return self._decoder.final(request_id, prompt, "abort")
+        return request.output(True, reason="abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self._unfinished) or self._aborts_unanswered > 0
+        return bool(self._running) or self._aborts_unanswered > 0
 
     def step(self) -> list[RequestOutput]:
-        """The outputs of the child's next step (waits for it). A rejection or an abort's answer returns an
-        empty list. Raises EngineProcessError when the child has stopped."""
-        try:
-            msg = self._conn.recv()
-        except (EOFError, OSError):
-            self._proc.join(5)
-            raise EngineProcessError(f"the engine process exited (exit code {self._proc.exitcode})") from None
-        kind = msg[0]
-        if kind == "step":
-            _, encoded, self._stats, self.num_failed_steps = msg
-            outputs = []
-            for m in encoded:
-                if m[0] not in self._unfinished:
-                    self._decoder.forget(m[0])
-                    continue  # aborted here while the step ran
-                out = self._decoder.decode(m)
-                if out.finished:
-                    del self._unfinished[out.request_id]
-                outputs.append(out)
-            return outputs
-        if kind == "rejected":
-            _, rid, error, self._stats = msg
-            if self._unfinished.pop(rid, None) is not None:
-                self._rejected.append((rid, error))
-            return []
-        if kind == "aborted":
-            self._stats = msg[2]
-            self._aborts_unanswered -= 1
-            return []
-        if kind == "dead":
-            raise EngineProcessError(f"the engine process failed: {msg[1]}")
-        raise EngineProcessError(f"unexpected message from the engine process: {kind!r}")
+        """The outputs of the child's next step (waits for it; rejections and answers to aborts on the way
+        are taken in). Returns [] if nothing is left to wait for. Raises EngineProcessError when the child
+        has stopped."""
+        while self.has_unfinished():
+            try:
+                msg = self._recv()
+            except (EOFError, OSError):
+                self._proc.join(5)
+                raise EngineProcessError(f"the engine process exited (exit code {self._proc.exitcode})") from None
+            kind = msg[0]
+            if kind == "step":
+                _, encoded, self._stats, self.num_failed_steps = msg
+                outputs = []
+                for m in encoded:
+                    request = self._running.get(m[0])
+                    if request is None:
+                        continue  # aborted here while the step ran
+                    out = request.apply(m)
+                    if out.finished:
+                        del self._running[m[0]], self._keys[request.request_id]
+                    outputs.append(out)
+                return outputs
+            if kind == "rejected":
+                _, key, error, self._stats = msg
+                request = self._running.pop(key, None)
+                if request is not None:
+                    del self._keys[request.request_id]
+                    self._rejected.append((request.request_id, error))
+            elif kind == "aborted":
+                self._stats = msg[2]
+                self._aborts_unanswered -= 1
+            elif kind == "dead":
+                raise EngineProcessError(f"the engine process failed: {msg[1]}")
+            else:
+                raise EngineProcessError(f"unexpected message from the engine process: {kind!r}")
+        return []
+
+    def _recv(self) -> Any:
+        """The child's next message; EOFError once it has exited with nothing left to read. Waits on the
+        process too: on Windows a child that dies before taking over its pipe ends leaves ours open."""
+        if not self._conn.poll():
+            ready = multiprocessing.connection.wait([self._conn, self._proc.sentinel])
+            if self._conn not in ready and not self._conn.poll():
+                raise EOFError
+        return self._conn.recv()
 
     def take_rejected(self) -> list[tuple[str, BaseException]]:
         """Requests the child refused since the last call, with the error `add_request` raised there."""
