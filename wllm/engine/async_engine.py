@@ -279,7 +279,7 @@ class AsyncEngine:
                 pass
         for request_id, stream in list(self._streams.items()):
             try:
-                self.engine.scheduler.abort(request_id, reason="error")
+                self.engine.abort(request_id)  # frees its blocks (an engine process's child stops computing it)
             except Exception:
                 pass
             stream.put(RequestOutput(request_id=request_id, prompt_token_ids=[],

@@ -86,6 +86,20 @@ class _DeltaEncoder:
         self._sent.pop(key, None)
 
 
+class _Choice:
+    """Parent side: one choice's cumulative outputs."""
+
+    __slots__ = ("token_ids", "logprobs", "text", "cumulative_logprob", "finish_reason", "stop_reason")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[Any] | None = None
+        self.text = ""
+        self.cumulative_logprob: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
 class _Request:
     """Parent side: one request's cumulative outputs, rebuilt from the child's deltas."""
 
@@ -95,8 +109,7 @@ class _Request:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_logprobs: list[Any] | None = None
-        # index -> [token ids, logprobs or None, text, cumulative logprob, finish reason, stop reason]
-        self.choices: dict[int, list[Any]] = {}
+        self.choices: dict[int, _Choice] = {}
         self.cached = 0
         self.metrics: Any = None
 
@@ -110,26 +123,28 @@ class _Request:
         for index, ids, lps, keep, added, cum, reason, stop in deltas:
             c = self.choices.get(index)
             if c is None:
-                c = self.choices[index] = [[], None, "", None, None, None]
-            c[0].extend(ids)
+                c = self.choices[index] = _Choice()
+            c.token_ids.extend(ids)
             if lps is not None:
-                if c[1] is None:
-                    c[1] = []
-                c[1].extend(lps)
-            c[2] = c[2][:keep] + added if keep < len(c[2]) else c[2] + added
-            c[3], c[4], c[5] = cum, reason, stop
-        return self.output(finished, [c[0] for c in deltas], error)
+                if c.logprobs is None:
+                    c.logprobs = []
+                c.logprobs.extend(lps)
+            c.text = c.text[:keep] + added
+            c.cumulative_logprob, c.finish_reason, c.stop_reason = cum, reason, stop
+        return self.output(finished, [d[0] for d in deltas], error)
 
     def output(self, finished: bool, indices: Iterable[int] | None = None, error: str | None = None,
                reason: str | None = None) -> RequestOutput:
         """The output now: views of the growing lists while running, lists once finished; `reason` for the
         choices that have none (an abort). `indices`: the choices in the child's order (default: by index)."""
         snap = list if finished else ListPrefix
-        order = sorted(self.choices) if indices is None else indices
-        outs = [CompletionOutput(index=i, text=c[2], token_ids=snap(c[0]), cumulative_logprob=c[3],
-                                 logprobs=None if c[1] is None else snap(c[1]), finish_reason=c[4] or reason,
-                                 stop_reason=c[5])
-                for i in order for c in (self.choices[i],)]
+        outs = []
+        for i in sorted(self.choices) if indices is None else indices:
+            c = self.choices[i]
+            outs.append(CompletionOutput(index=i, text=c.text, token_ids=snap(c.token_ids),
+                                         cumulative_logprob=c.cumulative_logprob,
+                                         logprobs=None if c.logprobs is None else snap(c.logprobs),
+                                         finish_reason=c.finish_reason or reason, stop_reason=c.stop_reason))
         if not outs and reason is not None:
             outs = [CompletionOutput(0, "", [], finish_reason=reason)]
         plp = self.prompt_logprobs
@@ -367,19 +382,16 @@ class EngineProcess:
         if self.closed:
             return
         self.closed = True
-        if hasattr(self, "_sender"):
-            self._put(("stop",))
-            deadline = time.monotonic() + timeout
-            # Read on while waiting: a child blocked sending a step's results would never see the stop.
-            while self._proc.is_alive() and time.monotonic() < deadline:
-                try:
-                    if self._conn.poll(0.05):
-                        self._conn.recv()
-                except (EOFError, OSError):
-                    break
-            self._proc.join(max(0.0, deadline - time.monotonic()))
-            with self._outbox_ready:
-                self._outbox_ready.notify()
+        self._put(("stop",))
+        deadline = time.monotonic() + timeout
+        # Read on while waiting: a child blocked sending a step's results would never see the stop.
+        while self._proc.is_alive() and time.monotonic() < deadline:
+            try:
+                if self._conn.poll(0.05):
+                    self._conn.recv()
+            except (EOFError, OSError):
+                break
+        self._proc.join(max(0.0, deadline - time.monotonic()))
         if self._proc.is_alive():
             logger.warning("the engine process did not stop within %.0f s; killing it", timeout)
             self._proc.kill()
@@ -397,13 +409,13 @@ class EngineProcess:
             self._outbox_ready.notify()
 
     def _send_loop(self) -> None:
-        """The sender thread: writes queued commands to the child in order, never holding up the reader."""
+        """The sender thread: writes queued commands to the child in order, never holding up the reader. It
+        ends after sending "stop" (`close` always queues it) or when the child is gone (a killed child
+        breaks a blocked send too)."""
         while True:
             with self._outbox_ready:
-                while not self._outbox and not (self.closed and not self._proc.is_alive()):
+                while not self._outbox:
                     self._outbox_ready.wait()
-                if not self._outbox:
-                    break
                 batch = list(self._outbox)
                 self._outbox.clear()
             try:
