@@ -15,7 +15,7 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--no-enable-prefix-caching", "--served-model-name", "--chat-template", "--api-key", "--api-key-file",
          "--rate-limit-rpm", "--rate-limit-tpm", "--cors-origin", "--log-format", "--otlp-endpoint",
          "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
-         "--no-async-scheduling"]
+         "--no-async-scheduling", "--engine-process", "--no-engine-process"]
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]
@@ -37,6 +37,17 @@ def test_defaults_bind_localhost_8000_with_the_embedded_model() -> None:
     args = serve_args("m.gguf", "--no-enable-prefix-caching", "--api-key", "a", "--api-key", "b",
                       "--cors-origin", "https://x")
     assert args.model == "m.gguf" and not args.enable_prefix_caching and args.api_key == ["a", "b"]
+
+
+def test_the_engine_runs_in_its_own_process_on_cuda_unless_told_otherwise() -> None:
+    from wllm.entrypoints.serve_cli import use_engine_process
+
+    assert serve_args().engine_process is None
+    assert serve_args("--engine-process").engine_process is True
+    assert serve_args("--no-engine-process").engine_process is False
+    assert use_engine_process(None, "cuda") and use_engine_process(None, "cuda:1")
+    assert not use_engine_process(None, "cpu")
+    assert use_engine_process(True, "cpu") and not use_engine_process(False, "cuda")
 
 
 def test_bad_flag_values_are_rejected_by_argparse() -> None:

@@ -79,9 +79,10 @@ class ServerProcess:
 
 @pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Every test of the main server runs twice: engine in a thread (the default), then `--engine-process`."""
+    """Every test of the main server runs twice: engine in a thread (the CPU's default), then in its own
+    process (CUDA's default)."""
     default_model_path()  # fetch outside the server's start-up deadline
-    extra = ["--engine-process"] if request.param == "engine-process" else []
+    extra = ["--engine-process"] if request.param == "engine-process" else ["--no-engine-process"]
     s = ServerProcess(["--api-key", KEY, "--max-model-len", "512", "--kv-cache-memory", "0.25",
                        "--log-format", "json", *extra], tmp_path_factory.mktemp("srv") / "server.log")
     yield s
