@@ -3,9 +3,11 @@
 Runs the real HTTP app (Litestar on uvicorn, auth guard, metrics, SSE) and the real `AsyncEngine` hand-off in
 this process over `StepEngine`, which gives every running request one token per step and sleeps `--step-ms`
 per step (no GIL held, like a GPU step). `serve_load.py`'s streaming clients run in `--procs` spawned
-processes, so this process's CPU time over a level (`time.process_time()`: event loop + engine thread) is the
-front end's alone. On a busy serving host that CPU time, not the GPU, bounds throughput at high concurrency
-(RESULTS.md, sessions 20-22), so this is the number to watch when the request path changes.
+processes, so this process's CPU time over a level (`time.process_time()`: event loop + engine thread) is
+the front end's alone; with `--engine-process` the stand-in runs in a spawned child, as the real engine
+does on CUDA, and the number is the server process's share. On a busy serving host that CPU time, not the
+GPU, bounds throughput at high concurrency (RESULTS.md, sessions 20-22): the number to watch when the
+request path changes.
 
     python benchmarks/frontend_cpu.py --levels 16,64 --requests-per-client 16
 """
@@ -40,6 +42,11 @@ class StepEngine:
         self.num_failed_steps = 0
         self.delay = delay
         self.running: dict[str, tuple[list[int], list[int], int, float]] = {}
+
+    @classmethod
+    def create(cls, model: str, delay: float) -> StepEngine:
+        """`EngineProcess`'s engine factory (runs in the child)."""
+        return cls(delay)
 
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": 0.0}
@@ -76,8 +83,13 @@ class StepEngine:
         pass
 
 
-def start_server(step_ms: float) -> tuple[uvicorn.Server, threading.Thread, AsyncEngine, str]:
-    engine = AsyncEngine(StepEngine(step_ms / 1000))
+def start_server(step_ms: float, process: bool) -> tuple[uvicorn.Server, threading.Thread, AsyncEngine, str]:
+    if process:  # the stand-in engine in a spawned child, as `wllm serve` runs the real one on CUDA
+        from wllm.engine.engine_process import EngineProcess
+
+        engine = AsyncEngine(EngineProcess("step-engine", {"delay": step_ms / 1000}, engine_factory=StepEngine.create))
+    else:
+        engine = AsyncEngine(StepEngine(step_ms / 1000))
     engine.start()
     app = create_app(engine, ServerConfig(served_model_names=["step-engine"]))
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, loop="asyncio",
@@ -100,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--step-ms", type=float, default=5.0, help="the stand-in engine's step time")
     p.add_argument("--procs", type=int, default=2, help="client processes (never this one)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the stand-in engine in its own process (its CPU time is then not counted)")
     args = p.parse_args(argv)
 
-    server, thread, engine, base_url = start_server(args.step_ms)
+    server, thread, engine, base_url = start_server(args.step_ms, args.engine_process)
     pool = ProcessPoolExecutor(max(1, args.procs), mp_context=multiprocessing.get_context("spawn"))
     try:
         run_level_procs(pool, args.procs, base_url, "step-engine", 4, 8, args.max_tokens)  # warm-up

@@ -125,3 +125,20 @@ def test_clients_spread_over_processes(base_url: str, monkeypatch: pytest.Monkey
     assert bench.main(["--base-url", base_url, "--levels", "2", "--requests-per-client", "1", "--max-tokens", "3",
                        "--procs", "2"]) == 0
     assert [bench.default_procs(n) for n in (None, 1, 2, 3, 8, 16, 64)] == [1, 1, 1, 1, 4, 8, 8]
+
+
+@pytest.mark.parametrize("mode", [[], ["--engine-process"]])
+def test_frontend_cpu_reports_the_servers_cpu_per_token(mode: list[str]) -> None:
+    """benchmarks/frontend_cpu.py end to end, in a fresh interpreter (it spawns its clients and, with
+    --engine-process, the stand-in engine's process): one row per level, every request served."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "frontend_cpu.py"), "--levels", "2,3",
+                           "--requests-per-client", "2", "--max-tokens", "5", "--procs", "1", *mode],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip() for r in rows[1:]] == ["2", "3"]
+    for r in rows[1:]:
+        requests, errors, tok_s, cpu_us = int(r[1]), int(r[2]), float(r[3]), float(r[4])
+        assert requests == int(r[0]) * 2 and errors == 0 and tok_s > 0 and cpu_us > 0
