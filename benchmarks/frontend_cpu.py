@@ -1,7 +1,7 @@
 """The serving front end's own cost: server CPU time per streamed token, with no model.
 
 Runs the real HTTP app (Litestar on uvicorn, auth guard, metrics, SSE) and the real `AsyncEngine` hand-off in
-this process over `StepEngine`, which gives every running request one token per step and sleeps `--step-ms`
+this process over `FloodEngine`, which gives every running request one token per step ("t") and sleeps `--step-ms`
 per step (no GIL held, like a GPU step). `serve_load.py`'s streaming clients run in `--procs` spawned
 processes, so this process's CPU time over a level (`time.process_time()`: event loop + engine thread) is
 the front end's alone; with `--engine-process` the stand-in runs in a spawned child, as the real engine
@@ -19,7 +19,6 @@ import multiprocessing
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
 
 import uvicorn
 from serve_load import run_level_procs
@@ -27,71 +26,18 @@ from serve_load import run_level_procs
 from wllm.engine.async_engine import AsyncEngine
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.fake_engine import CharTokenizer
-from wllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-
-class StepEngine:
-    """An `LLMEngine` stand-in: one token (" tok") per running request per step, `delay` s per step."""
-
-    model_source = "step-engine"
-
-    def __init__(self, delay: float) -> None:
-        self.tokenizer = CharTokenizer()
-        self.max_model_len = 8192
-        self.num_failed_steps = 0
-        self.delay = delay
-        self.running: dict[str, tuple[list[int], list[int], int, float]] = {}
-
-    @classmethod
-    def create(cls, model: str, delay: float) -> StepEngine:
-        """`EngineProcess`'s engine factory (runs in the child)."""
-        return cls(delay)
-
-    def stats(self) -> dict[str, Any]:
-        return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": 0.0}
-
-    def add_request(self, request_id: str, prompt: list[int], params: Any, **_: Any) -> None:
-        self.running[request_id] = (list(prompt), [], params.max_tokens, time.monotonic())
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        entry = self.running.pop(request_id, None)
-        return None if entry is None else self._output(request_id, entry, "abort")
-
-    def has_unfinished(self) -> bool:
-        return bool(self.running)
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(self.delay)
-        outs = []
-        for rid, entry in list(self.running.items()):
-            entry[1].append(100)
-            done = len(entry[1]) >= entry[2]
-            outs.append(self._output(rid, entry, "length" if done else None))
-            if done:
-                del self.running[rid]
-        return outs
-
-    @staticmethod
-    def _output(rid: str, entry: tuple[list[int], list[int], int, float], reason: str | None) -> RequestOutput:
-        prompt, tokens, _, arrival = entry
-        return RequestOutput(request_id=rid, prompt_token_ids=prompt,
-                             outputs=[CompletionOutput(0, " tok" * len(tokens), list(tokens), finish_reason=reason)],
-                             finished=reason is not None, metrics=RequestMetrics(arrival_time=arrival))
-
-    def close(self) -> None:
-        pass
+from wllm.entrypoints.openai.fake_engine import FloodEngine
 
 
 def start_server(step_ms: float, process: bool) -> tuple[uvicorn.Server, threading.Thread, AsyncEngine, str]:
     if process:  # the stand-in engine in a spawned child, as `wllm serve` runs the real one on CUDA
         from wllm.engine.engine_process import EngineProcess
 
-        engine = AsyncEngine(EngineProcess("step-engine", {"delay": step_ms / 1000}, engine_factory=StepEngine.create))
+        engine = AsyncEngine(EngineProcess("flood", {"step_delay": step_ms / 1000}, engine_factory=FloodEngine.create))
     else:
-        engine = AsyncEngine(StepEngine(step_ms / 1000))
+        engine = AsyncEngine(FloodEngine(step_delay=step_ms / 1000))
     engine.start()
-    app = create_app(engine, ServerConfig(served_model_names=["step-engine"]))
+    app = create_app(engine, ServerConfig(served_model_names=["flood"]))
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, loop="asyncio",
                             http="h11", lifespan="on")
     server = uvicorn.Server(config)
@@ -119,13 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     server, thread, engine, base_url = start_server(args.step_ms, args.engine_process)
     pool = ProcessPoolExecutor(max(1, args.procs), mp_context=multiprocessing.get_context("spawn"))
     try:
-        run_level_procs(pool, args.procs, base_url, "step-engine", 4, 8, args.max_tokens)  # warm-up
+        run_level_procs(pool, args.procs, base_url, "flood", 4, 8, args.max_tokens)  # warm-up
         print("| clients | requests | errors | output tok/s | server CPU us / token | server CPU ms / request |")
         print("|---:|---:|---:|---:|---:|---:|")
         for level in (int(x) for x in args.levels.split(",")):
             n = level * args.requests_per_client
             cpu = time.process_time()
-            result = run_level_procs(pool, args.procs, base_url, "step-engine", level, n, args.max_tokens)
+            result = run_level_procs(pool, args.procs, base_url, "flood", level, n, args.max_tokens)
             cpu = time.process_time() - cpu
             row = result.summary()
             tokens = max(1, sum(r.tokens for r in result.results))

@@ -17,6 +17,7 @@ import pytest
 from wllm.engine.async_engine import AsyncEngine, EngineDeadError
 from wllm.engine.engine_process import EngineProcess, _DeltaEncoder, _Request
 from wllm.engine.llm_engine import LLMEngine
+from wllm.entrypoints.openai.fake_engine import FloodEngine
 from wllm.model.default_model import default_model_path
 from wllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepLogprobs, TokenLogprob
 from wllm.sampling_params import SamplingParams
@@ -226,8 +227,6 @@ def test_a_burst_of_long_prompts_while_streaming(proc_engine):
 
 
 def _flood_engine(**kwargs) -> AsyncEngine:
-    from engine_process_stub import FloodEngine
-
     engine = AsyncEngine(EngineProcess("flood", kwargs, engine_factory=FloodEngine.create))
     engine.start()
     return engine
@@ -282,8 +281,6 @@ def test_a_child_whose_step_raises_fails_the_engine():
 
 
 def test_a_factory_error_reaches_the_caller():
-    from engine_process_stub import FloodEngine
-
     with pytest.raises(ValueError, match="only serves 'flood'"):
         EngineProcess("other", engine_factory=FloodEngine.create)
 
