@@ -29,7 +29,7 @@ from wllm.entrypoints.openai.config import ServerConfig
 from wllm.entrypoints.openai.fake_engine import FloodEngine
 
 
-def start_server(step_ms: float, process: bool) -> tuple[uvicorn.Server, threading.Thread, AsyncEngine, str]:
+def start_server(step_ms: float, process: bool, http: str) -> tuple[uvicorn.Server, threading.Thread, AsyncEngine, str]:
     if process:  # the stand-in engine in a spawned child, as `wllm serve` runs the real one on CUDA
         from wllm.engine.engine_process import EngineProcess
 
@@ -39,7 +39,7 @@ def start_server(step_ms: float, process: bool) -> tuple[uvicorn.Server, threadi
     engine.start()
     app = create_app(engine, ServerConfig(served_model_names=["flood"]))
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, access_log=False, loop="asyncio",
-                            http="h11", lifespan="on")
+                            http=http, lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=2, help="client processes (never this one)")
     p.add_argument("--engine-process", action="store_true",
                    help="run the stand-in engine in its own process (its CPU time is then not counted)")
+    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                   help="uvicorn's HTTP implementation (auto, as `wllm serve`: httptools when installed)")
     args = p.parse_args(argv)
 
-    server, thread, engine, base_url = start_server(args.step_ms, args.engine_process)
+    server, thread, engine, base_url = start_server(args.step_ms, args.engine_process, args.http)
     pool = ProcessPoolExecutor(max(1, args.procs), mp_context=multiprocessing.get_context("spawn"))
     try:
         run_level_procs(pool, args.procs, base_url, "flood", 4, 8, args.max_tokens)  # warm-up
