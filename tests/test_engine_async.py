@@ -203,6 +203,44 @@ def test_a_slow_consumer_gets_the_newest_output_not_a_backlog():
     assert isinstance(asyncio.run(error_is_final()), RuntimeError)
 
 
+def test_a_stream_interval_wakes_the_consumer_every_n_tokens():
+    """With `interval` 3 a consumer that keeps up is woken for the first output, then each time 3 more
+    tokens have come, and for the finished one; with 1, for every output. Errors always wake it."""
+    from wllm.engine.async_engine import _Stream
+    from wllm.outputs import CompletionOutput, RequestOutput
+
+    def output(n, finished=False):
+        return RequestOutput("r", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=finished)
+
+    async def run(interval, last=10, error_at=None):
+        stream = _Stream(asyncio.get_running_loop(), interval)
+        seen = []
+
+        async def consume():
+            async for item in stream:
+                if isinstance(item, BaseException):
+                    seen.append("error")
+                    return
+                seen.append(len(item.outputs[0].token_ids))
+                if item.finished:
+                    return
+
+        task = asyncio.create_task(consume())
+        for n in range(1, last + 1):
+            stream.put(RuntimeError("boom") if n == error_at else output(n, finished=n == last))
+            for _ in range(5):  # the consumer takes each wake-up before the next output
+                await asyncio.sleep(0)
+        await asyncio.wait_for(task, 10)
+        return seen
+
+    assert asyncio.run(run(3)) == [1, 4, 7, 10]
+    assert asyncio.run(run(4, last=6)) == [1, 5, 6]
+    assert asyncio.run(run(1, last=5)) == [1, 2, 3, 4, 5]
+    assert asyncio.run(run(3, error_at=3)) == [1, "error"]
+    with pytest.raises(ValueError, match="stream_interval"):
+        AsyncEngine(_IdleEngine(), stream_interval=0)
+
+
 class _IdleEngine:
     """The least of an LLMEngine that AsyncEngine's loop thread calls: never has work of its own."""
 

@@ -15,7 +15,7 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--no-enable-prefix-caching", "--served-model-name", "--chat-template", "--api-key", "--api-key-file",
          "--rate-limit-rpm", "--rate-limit-tpm", "--cors-origin", "--log-format", "--otlp-endpoint",
          "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
-         "--no-async-scheduling", "--engine-process", "--no-engine-process"]
+         "--no-async-scheduling", "--engine-process", "--no-engine-process", "--stream-interval"]
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]
@@ -55,6 +55,8 @@ def test_bad_flag_values_are_rejected_by_argparse() -> None:
         serve_args("--max-num-seqs", "0")
     with pytest.raises(SystemExit):
         serve_args("--log-format", "xml")
+    with pytest.raises(SystemExit):
+        serve_args("--stream-interval", "0")
 
 
 def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -93,7 +93,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     s = ServerProcess(["smollm2-135m", "--load-format", "dummy", "--tokenizer", str(default_model_path()),
                        "--served-model-name", "limited", "--max-model-len", "256", "--kv-cache-memory", "0.1",
-                       "--api-key", "k-limited", "--api-key", "k-drain", "--rate-limit-rpm", "2",
+                       "--api-key", "k-limited", "--api-key", "k-drain", "--api-key", "k-interval",
+                       "--rate-limit-rpm", "2", "--stream-interval", "4",
                        "--shutdown-timeout", "60"], tmp_path_factory.mktemp("lim") / "server.log")
     yield s
     s.stop()
@@ -250,6 +251,18 @@ def test_errors_map_to_openai_exceptions(server: ServerProcess, client: openai.O
 def test_json_log_has_no_key(server: ServerProcess) -> None:
     log = server.log.read_text(encoding="utf-8")
     assert KEY not in log and '"status":200' in log and '"key_id":"key-' in log
+
+
+def test_stream_interval_sends_fewer_larger_frames(limited: ServerProcess) -> None:
+    """`--stream-interval 4`: 10 tokens come in at most 4 text frames (the first token at once, then every
+    4, then the last), and they add up to the non-streamed text."""
+    c = openai.OpenAI(base_url=limited.base_url, api_key="k-interval", max_retries=0, timeout=120)
+    kwargs = dict(model="limited", prompt="Once upon a time", max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = c.completions.create(**kwargs)
+    frames = [p.choices[0].text for p in c.completions.create(**kwargs, stream=True) if p.choices]
+    assert "".join(frames) == full.choices[0].text and full.usage.completion_tokens == 10
+    assert 1 <= len([f for f in frames if f]) <= 4
 
 
 def test_rate_limit_429_with_retry_after(limited: ServerProcess) -> None:
