@@ -209,10 +209,12 @@ def test_a_stream_interval_wakes_the_consumer_every_n_tokens():
     from wllm.engine.async_engine import _Stream
     from wllm.outputs import CompletionOutput, RequestOutput
 
-    def output(n, finished=False):
-        return RequestOutput("r", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=finished)
+    def output(n, finished=False, choices=1):
+        return RequestOutput("r", [1], [CompletionOutput(i, "x" * n, list(range(n))) for i in range(choices)],
+                             finished=finished)
 
-    async def run(interval, last=10, error_at=None):
+    async def run(interval, last=10, error_at=None, choices=1, behind=0):
+        """Outputs 1..last tokens (per choice); the consumer misses the wake-ups of the first `behind`."""
         stream = _Stream(asyncio.get_running_loop(), interval)
         seen = []
 
@@ -227,13 +229,18 @@ def test_a_stream_interval_wakes_the_consumer_every_n_tokens():
 
         task = asyncio.create_task(consume())
         for n in range(1, last + 1):
-            stream.put(RuntimeError("boom") if n == error_at else output(n, finished=n == last))
-            for _ in range(5):  # the consumer takes each wake-up before the next output
-                await asyncio.sleep(0)
+            stream.put(RuntimeError("boom") if n == error_at else output(n, n == last, choices))
+            if n > behind:
+                for _ in range(5):  # the consumer takes each wake-up before the next output
+                    await asyncio.sleep(0)
         await asyncio.wait_for(task, 10)
         return seen
 
     assert asyncio.run(run(3)) == [1, 4, 7, 10]
+    assert asyncio.run(run(3, choices=2)) == [1, 4, 7, 10]  # tokens per choice, not summed over n
+    # A consumer woken at 1 token but running only after the 4th reads 4; its next frame comes 4 tokens
+    # after what it read (8), not 4 after the token it was woken for (5).
+    assert asyncio.run(run(4, behind=3)) == [4, 8, 10]
     assert asyncio.run(run(4, last=6)) == [1, 5, 6]
     assert asyncio.run(run(1, last=5)) == [1, 2, 3, 4, 5]
     assert asyncio.run(run(3, error_at=3)) == [1, "error"]

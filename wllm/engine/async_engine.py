@@ -53,7 +53,7 @@ class _Stream:
         self.woken = False
         self.ready = asyncio.Event()
         self.interval = interval
-        self.woke_at = 0  # engine thread only: tokens in the output the consumer was last woken for
+        self.woke_at = 0  # engine thread only: tokens (per choice) in the newest output the consumer will read
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Engine thread: publish `item` as the newest output (an error is final) and wake the consumer."""
@@ -66,13 +66,16 @@ class _Stream:
         if isinstance(last, BaseException):
             return False
         self.latest = (seq + 1, item)
-        if self.woken:
-            return False
         if self.interval > 1 and isinstance(item, RequestOutput) and not item.finished:
-            tokens = sum(len(c.token_ids) for c in item.outputs)
+            tokens = max((len(c.token_ids) for c in item.outputs), default=0)  # per choice: n > 1 alike
+            if self.woken:  # the consumer, already woken, will read this output or a newer one
+                self.woke_at = tokens
+                return False
             if self.woke_at and tokens - self.woke_at < self.interval:
                 return False
             self.woke_at = tokens
+        elif self.woken:
+            return False
         self.woken = True
         return True
 
