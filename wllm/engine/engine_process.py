@@ -4,7 +4,7 @@ Why: in one process the engine thread and the server's event loop share one GIL.
 (H200, Qwen2.5-0.5B shape) each waits on the other: the engine's step took 3-4 ms of wall time for ~2 ms of
 GPU work and the loop lagged up to ~0.2 s, so clients saw an inter-token p50 of 34-45 ms. With the engine
 in its own process (its own interpreter and GIL) the same load gave 12.6 ms (benchmarks/RESULTS.md,
-session 21). `wllm serve --engine-process` turns it on.
+session 21). `wllm serve` uses it on CUDA (`--engine-process` / `--no-engine-process` decide otherwise).
 
 The parent holds this object in place of an `LLMEngine`: `AsyncEngine` runs its usual loop over it, and
 `step()` returns the child's next batch of outputs. Commands go to the child as they come (`add_request`,
