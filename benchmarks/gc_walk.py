@@ -88,13 +88,13 @@ def engine_owners(engine: LLMEngine, caller: list[Any]) -> dict[int, str]:
     inflight = engine._inflight
     if inflight is not None:
         out, handle = inflight
-        mark(out, "in-flight step (SchedulerOutput, PendingStep)")
-        mark(out.seqs, "in-flight step (SchedulerOutput, PendingStep)")
-        mark(handle, "in-flight step (SchedulerOutput, PendingStep)")
-        for s in out.seqs:
-            mark(s, "ScheduledSeq objects")
-            mark(s.token_ids, "ScheduledSeq.token_ids")
-            mark(s.prompt_logprob_targets, "ScheduledSeq.prompt_logprob_targets")
+        mark(out, "in-flight step (StepPlan, PendingStep)")
+        mark(out.rows, "in-flight step (StepPlan, PendingStep)")
+        mark(handle, "in-flight step (StepPlan, PendingStep)")
+        for s in out.rows:
+            mark(s, "StepRow objects")
+            mark(s.token_ids, "StepRow.token_ids")
+            mark(s.prompt_logprob_targets, "StepRow.prompt_logprob_targets")
     return owners
 
 

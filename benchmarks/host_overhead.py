@@ -74,13 +74,13 @@ def build_engine(batch: int, graphs: bool, async_scheduling: bool = True) -> LLM
                           scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max(batch, 8)),
                           async_scheduling=async_scheduling)
     engine = LLMEngine(model, synthetic_tokenizer(TINY_LLAMA["vocab_size"]), config)
-    runner = CudaStepRunner(model, engine.runner.kv_cache, max_num_batched_tokens=2048,
+    runner = CudaStepRunner(model, engine.worker.kv_cache, max_num_batched_tokens=2048,
                             max_num_seqs=max(batch, 8), max_model_len=engine.max_model_len, enforce_eager=True)
     if graphs:
         runner.graphs = FrozenGraphs(graph_batch_sizes(max(batch, 8)), runner.device)
         with torch.inference_mode():
             runner.graphs.capture(runner._prepare_padding, runner._graph_forward)
-    engine.runner.cuda_runner = runner
+    engine.worker.runner = runner
     return engine
 
 
@@ -110,19 +110,18 @@ def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bo
         final_only: bool = False, skip: int = 0, logprobs: int | None = None) -> dict[str, float]:
     torch.manual_seed(0)
     engine = build_engine(batch, graphs, async_scheduling)
-    cuda = engine.runner.cuda_runner
+    cuda = engine.worker.runner
     timer = PhaseTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(engine.scheduler, "schedule_lookahead", "schedule")
     timer.wrap(cuda.inputs, "fill", "prepare inputs")
     timer.wrap(cuda.sampling, "pack", "prepare inputs")
     timer.wrap(cuda.graphs, "replay", "forward launch")
     timer.wrap(cuda, "_eager", "forward launch")
     timer.wrap(cuda, "_results", "process outputs (runner)")
-    timer.wrap(engine.runner, "launch", "_execute")
-    timer.wrap(engine.runner, "collect", "_execute")
+    timer.wrap(engine.worker, "launch", "_execute")
+    timer.wrap(engine.worker, "collect", "_execute")
     timer.wrap(engine.scheduler, "update_from_output", "process outputs")
-    timer.wrap(engine, "_process_text", "detokenize/stop")
+    timer.wrap(engine.scheduler.stops, "check", "detokenize/stop")
     timer.wrap(engine, "_make_output", "detokenize/stop")
     timer.wrap(engine, "step", "_step")
     params = SamplingParams(temperature=0.0, max_tokens=skip + 2 * steps + 50, ignore_eos=True, logprobs=logprobs)
@@ -144,7 +143,7 @@ def run(batch: int, steps: int, graphs: bool, profile: int, async_scheduling: bo
     ns["engine loop rest"] = step_ns - sum(ns.values())
     us = {k: v / decode_steps / 1000 for k, v in ns.items()}
     us["TOTAL step"] = step_ns / decode_steps / 1000
-    assert engine.runner.cuda_runner.num_graph_steps >= (decode_steps if graphs else 0)
+    assert engine.worker.runner.num_graph_steps >= (decode_steps if graphs else 0)
     us["steps run ahead (%)"] = 100.0 * engine.num_lookahead_steps / engine.num_steps
     if profile:
         prof = cProfile.Profile()

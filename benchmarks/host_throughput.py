@@ -12,8 +12,7 @@ apart ("model"): on a GPU it is device time, not host time.
 
 Per `step()` call it records the wall time and the time in each phase, whether the step it processed
 had been launched ahead, whether it launched the next step ahead, and, when
-`Scheduler.schedule_lookahead` refused (returned None), which of its conditions refused it (its
-`lookahead_refusal`), and every cyclic GC
+`Scheduler.schedule(in_flight)` had to wait (returned None), why (its `wait_reason`), and every cyclic GC
 collection (a `gc.callbacks` hook) with its generation and whether it ran at the engine's own collection
 point (`collect_garbage_if_due`, right after a launch ahead). It prints every step
 whose host time (wall minus model) exceeds --threshold-ms with its phase breakdown and context, then a
@@ -52,7 +51,7 @@ from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noq
 from wllm.engine.cuda_graphs import graph_batch_sizes  # noqa: E402
 from wllm.engine.cuda_runner import CudaStepRunner  # noqa: E402
 from wllm.engine.llm_engine import LLMEngine  # noqa: E402
-from wllm.engine.scheduler import SchedulerOutput  # noqa: E402
+from wllm.engine.step_plan import StepPlan  # noqa: E402
 from wllm.model.loader.dummy import DUMMY_CONFIGS  # noqa: E402
 from wllm.model.loader.model_loader import load_model  # noqa: E402
 from wllm.model.tokenizer.synthetic import synthetic_tokenizer  # noqa: E402
@@ -77,12 +76,12 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     # The EOS set `LLMEngine.from_pretrained` gives the dummy 8B: the tokenizer's plus the config's.
     eos = sorted({*tok.eos_token_ids, *LLAMA_8B["eos_token_id"]})
     engine = LLMEngine(model, tok, config, eos_token_ids=eos)
-    runner = CudaStepRunner(model, engine.runner.kv_cache, max_num_batched_tokens=args.budget,
+    runner = CudaStepRunner(model, engine.worker.kv_cache, max_num_batched_tokens=args.budget,
                             max_num_seqs=args.max_num_seqs, max_model_len=engine.max_model_len, enforce_eager=True)
     runner.graphs = FrozenGraphs(graph_batch_sizes(args.max_num_seqs), runner.device)
     with torch.inference_mode():
         runner.graphs.capture(runner._prepare_padding, runner._graph_forward)
-    engine.runner.cuda_runner = runner
+    engine.worker.runner = runner
     return engine
 
 
@@ -95,12 +94,12 @@ class StepRecord:
     phases: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     processed_ahead: bool = False  # the step it processed had been launched by the call before
     launched_ahead: bool = False  # it launched the next step before waiting
-    refusal: str = ""  # why schedule_lookahead returned None, if it did
+    refusal: str = ""  # why schedule(in_flight) returned None, if it did
     graph: bool = False  # the step it processed replayed a (stand-in) graph
     decode_seqs: int = 0  # single-token sequences of the processed step
     prefill_seqs: int = 0
     prefill_tokens: int = 0
-    admitted: int = 0  # sequences admitted by the schedule() / schedule_lookahead() of this call
+    admitted: int = 0  # sequences admitted by the schedule() calls of this call
     finished: int = 0  # requests that finished in this call
     outputs: int = 0
     gc: list[tuple[int, bool]] = field(default_factory=list)  # (generation, at the engine's safe point)
@@ -121,9 +120,8 @@ class StepRecorder:
         self.engine = engine
         self.steps: list[StepRecord] = []
         self.cur: StepRecord | None = None
-        sched, runner, cuda = engine.scheduler, engine.runner, engine.runner.cuda_runner
-        self._wrap(sched, "schedule", "schedule")
-        self._wrap(sched, "schedule_lookahead", "schedule_lookahead", self._after_lookahead)
+        sched, runner, cuda = engine.scheduler, engine.worker, engine.worker.runner
+        self._wrap(sched, "schedule", "schedule", self._after_schedule)
         self._wrap(sched, "update_from_output", "update_from_output")
         self._wrap(sched, "pop_finished_group", "pop_finished_group")
         self._wrap(sched, "_admit_waiting", None, self._after_admit)
@@ -131,7 +129,7 @@ class StepRecorder:
         self._wrap(runner, "collect", "collect/sync")
         self._wrap(runner, "release", "release")
         self._wrap(cuda, "_eager", "model")  # the CPU forward: device time on a GPU
-        self._wrap(engine, "_process_text", "_process_text")
+        self._wrap(sched.stops, "check", "stop checks")
         self._wrap(engine, "_make_output", "_make_output")
         self._wrap(engine, "_has_live_seqs", "_has_live_seqs")
         self._gc_start = 0
@@ -176,9 +174,9 @@ class StepRecorder:
         setattr(obj, attr, timed)
 
     # ------------------------------------------------------------------------------ observers
-    def _after_lookahead(self, out: SchedulerOutput | None, prev: SchedulerOutput) -> None:
-        if out is None and self.cur is not None:
-            self.cur.refusal = self.engine.scheduler.lookahead_refusal
+    def _after_schedule(self, plan: StepPlan | None, in_flight: StepPlan | None = None) -> None:
+        if plan is None and self.cur is not None:
+            self.cur.refusal = self.engine.scheduler.wait_reason
 
     def _after_admit(self, result: Any, *args: Any) -> None:
         if self.cur is not None:
@@ -187,15 +185,15 @@ class StepRecorder:
     # ------------------------------------------------------------------------------------ step
     def step(self) -> list[Any]:
         engine = self.engine
-        cuda = engine.runner.cuda_runner
+        cuda = engine.worker.runner
         rec = self.cur = StepRecord(len(self.steps))
         inflight = engine._inflight
         rec.processed_ahead = inflight is not None
         graphs_before = cuda.num_graph_steps
-        last: list[SchedulerOutput] = []
+        last: list[StepPlan] = []
         update = engine.scheduler.update_from_output
 
-        def spy(out: SchedulerOutput, results: Any) -> Any:
+        def spy(out: StepPlan, results: Any) -> Any:
             last.append(out)
             return update(out, results)
 
@@ -209,9 +207,9 @@ class StepRecorder:
         rec.launched_ahead = engine._inflight is not None
         if last:
             out = last[0]
-            rec.decode_seqs = sum(1 for s in out.seqs if len(s.token_ids) == 1)
-            rec.prefill_seqs = len(out.seqs) - rec.decode_seqs
-            rec.prefill_tokens = sum(len(s.token_ids) for s in out.seqs if len(s.token_ids) != 1)
+            rec.decode_seqs = sum(1 for s in out.rows if len(s.token_ids) == 1)
+            rec.prefill_seqs = len(out.rows) - rec.decode_seqs
+            rec.prefill_tokens = sum(len(s.token_ids) for s in out.rows if len(s.token_ids) != 1)
             # The graph the processed step replayed was launched by this call or the one before.
             rec.graph = rec.prefill_seqs == 0 and (cuda.num_graph_steps > graphs_before or rec.processed_ahead)
         rec.outputs = len(outs)
@@ -221,8 +219,8 @@ class StepRecorder:
         return outs
 
 
-PHASES = ("schedule", "schedule_lookahead", "launch", "collect/sync", "release", "update_from_output",
-          "_process_text", "_make_output", "pop_finished_group", "_has_live_seqs")
+PHASES = ("schedule", "launch", "collect/sync", "release", "update_from_output", "stop checks", "_make_output",
+          "pop_finished_group", "_has_live_seqs")
 
 
 def describe(rec: StepRecord) -> str:

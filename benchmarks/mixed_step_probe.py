@@ -49,7 +49,7 @@ def main() -> None:
     llm = LLM(shape.source, load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.7,
               max_model_len=top + 1024, max_num_seqs=max(args.decode) + 1)
     engine = llm.engine
-    runner = engine.runner.cuda_runner
+    runner = engine.worker.runner
     if runner is None:
         sys.exit("mixed_step_probe: needs the CUDA kernel path (a GPU and the wllm kernels)")
     g = torch.Generator().manual_seed(0)

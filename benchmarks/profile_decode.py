@@ -108,9 +108,9 @@ def phases(engine, prompt: list[int], steps: int) -> None:  # noqa: ANN001 - LLM
         setattr(obj, name, wrapper)
 
     timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.runner, "execute", "execute (incl. sync)")
+    timed(engine.worker, "execute", "execute (incl. sync)")
     timed(engine.scheduler, "update_from_output", "update_from_output")
-    timed(engine, "_process_text", "detokenize + stop strings")
+    timed(engine.scheduler.stops, "check", "detokenize + stop strings")
     timed(engine, "_make_output", "make outputs")
     sync_orig = torch.cuda.Stream.synchronize
 

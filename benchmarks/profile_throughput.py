@@ -78,7 +78,7 @@ def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool,
 
     if record:
         torch.cuda.Stream.synchronize = timed_sync
-    # A step() call processes one step, planned by schedule() in that call or by schedule_lookahead() in
+    # A step() call processes one step, planned by schedule() in that call or by schedule(in_flight) in
     # the call before (it ran ahead): its kind is read from the step update_from_output applies.
     sched = engine.scheduler
     update = sched.update_from_output
@@ -122,12 +122,12 @@ def run_workload(llm: LLM, prompts: list[list[int]], output: int, record: bool,
                 engine.step()
             dt = time.perf_counter() - t0
             out = last[0]
-            if out is None or not out.seqs:
+            if out is None or not out.rows:
                 continue
-            kind = "decode" if all(len(s.token_ids) == 1 for s in out.seqs) else "prefill/mixed"
+            kind = "decode" if all(len(s.token_ids) == 1 for s in out.rows) else "prefill/mixed"
             kinds[kind].append(dt)
             tokens[kind] += out.num_batched_tokens
-            seqs[kind] += len(out.seqs)
+            seqs[kind] += len(out.rows)
         _sync()
     finally:
         torch.cuda.Stream.synchronize = orig

@@ -25,7 +25,7 @@ GIB = 2**30
 for i in range(2):
     llm = LLM("qwen2.5-0.5b", load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=2048)
     llm.generate([[5, 6, 7] * 20], SamplingParams(max_tokens=8))
-    runner = llm.engine.runner.cuda_runner
+    runner = llm.engine.worker.runner
     print(f"round {i}: capture MiB prefill {runner.prefill_graphs.capture_bytes / 2**20:.0f}, "
           f"decode {runner.graphs.capture_bytes / 2**20:.0f}")
     engine = weakref.ref(llm.engine)

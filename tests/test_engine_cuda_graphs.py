@@ -57,7 +57,7 @@ def test_gpu_greedy_matches_hf_and_the_cpu_engine(models, name, budget, blocks, 
     gpu, cpu, _, ref = models[name]
     prompts = make_prompts()
     engine = make_engine(gpu, budget=budget, blocks=blocks, cpu_blocks=cpu_blocks)
-    runner = engine.runner.cuda_runner
+    runner = engine.worker.runner
     assert runner is not None, "the CUDA kernel path was not selected"
     outs = run_staggered(engine, prompts, GREEDY, per_step=4)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -83,9 +83,9 @@ def test_graph_replay_identical_to_eager(models):
     a = graphs.generate(prompts, params)
     b = eager.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert graphs.runner.cuda_runner.num_graph_steps > 0
-    assert eager.runner.cuda_runner.num_graph_steps == 0 and not eager.runner.cuda_runner.graphs.sizes
-    assert not eager.runner.cuda_runner.prefill_graphs.keys
+    assert graphs.worker.runner.num_graph_steps > 0
+    assert eager.worker.runner.num_graph_steps == 0 and not eager.worker.runner.graphs.sizes
+    assert not eager.worker.runner.prefill_graphs.keys
 
 
 def test_prefill_graph_replay_identical_to_eager(models):
@@ -100,7 +100,7 @@ def test_prefill_graph_replay_identical_to_eager(models):
     for eager in (False, True):
         engine = make_engine(gpu, seqs=16, budget=24, eager=eager)
         outs.append([o.outputs[0].token_ids for o in run_staggered(engine, prompts, params, per_step=2)])
-        runner = engine.runner.cuda_runner
+        runner = engine.worker.runner
         assert (runner.num_prefill_graph_steps > 0) is not eager
         assert_all_free(engine)
         single = engine.generate(prompts[3:4], params[3])  # one prompt: one prefill-graph step
@@ -128,7 +128,7 @@ def test_mixed_graph_steps_with_long_decode_contexts_identical_to_eager(tmp_path
     for eager in (False, True):
         # 20 sequences: decode graphs up to 24, mixed prefill graphs up to 32 (the decode workspace covers both).
         engine = make_engine(gpu, seqs=20, budget=512, blocks=1024, block_size=16, eager=eager)
-        runner = engine.runner.cuda_runner
+        runner = engine.worker.runner
         for i in range(3):
             engine.add_request(str(i), prompts[i], params[i])
         final = {}
@@ -150,12 +150,10 @@ def test_mixed_graph_steps_with_long_decode_contexts_identical_to_eager(tmp_path
     assert outs[0] == outs[1]
 
 
-def test_zero_copy_staging_matches_copy_engine_staging(models, monkeypatch):
+def test_zero_copy_staging_matches_copy_engine_staging(models):
     """Decode steps staged by the small kernel that reads pinned memory in place (and writes the sampled ids
     back the same way) give the same tokens as copy-engine staging, with lookahead steps (input ids from the
     previous step's samples) and mixed steps (their staging is larger: copy engine) in the run."""
-    from wllm.engine import cuda_runner as runner_module
-
     torch.manual_seed(0)
     gpu = models["llama"][0]
     prompts = make_prompts()
@@ -163,10 +161,10 @@ def test_zero_copy_staging_matches_copy_engine_staging(models, monkeypatch):
                                             ignore_eos=True) for i in range(8)]
     outs = {}
     for zero_copy in (True, False):
-        monkeypatch.setattr(runner_module, "ZERO_COPY_STAGING", zero_copy)
         engine = make_engine(gpu, seqs=16, budget=24)
-        runner = engine.runner.cuda_runner
-        assert runner._zero_copy is zero_copy
+        runner = engine.worker.runner
+        assert runner._zero_copy  # pinned memory is mapped on this GPU
+        runner._zero_copy = zero_copy  # the copy engine, as where it is not
         outs[zero_copy] = [o.outputs[0].token_ids for o in run_staggered(engine, prompts, params, per_step=4)]
         assert runner.num_graph_steps > 0 and runner.num_lookahead_steps > 0
         assert runner.num_eager_steps + runner.num_prefill_graph_steps > 0
@@ -197,7 +195,7 @@ def test_logprobs_on_the_gpu_match_the_cpu_engine(models):
     engine = make_engine(gpu, budget=5)
     ours = engine.generate(prompts, params)
     # The decode steps replay graphs (their logprob matrices come from the graphs' shared logits buffer).
-    assert engine.runner.cuda_runner.num_graph_steps >= 4
+    assert engine.worker.runner.num_graph_steps >= 4
     eager = make_engine(gpu, budget=5, eager=True).generate(prompts, params)
     theirs = make_engine(cpu, budget=5).generate(prompts, params)
     for a, b, c in zip(ours, theirs, eager, strict=True):
@@ -216,9 +214,9 @@ def test_kv_cache_sized_by_profiling_with_the_kernel_path(models):
     config = EngineConfig(cache=CacheConfig(gpu_memory_utilization=0.3, swap_space=0.01))
     engine = LLMEngine(gpu, None, config)
     total = torch.cuda.get_device_properties(0).total_memory
-    used = engine.runner.num_gpu_blocks * engine.runner.block_bytes
+    used = engine.worker.num_gpu_blocks * engine.worker.block_bytes
     assert 0.1 * total < used < 0.3 * total
-    assert engine.runner.cuda_runner is not None
+    assert engine.worker.use_cuda_kernels
     outs = engine.generate([[5, 6, 7]], GREEDY)
     assert len(outs[0].outputs[0].token_ids) == MAX_TOKENS
     del engine
@@ -230,7 +228,7 @@ def test_qwen_shape_bf16_runs_64_graph_steps():
     engine = LLMEngine.from_pretrained("qwen2.5-0.5b", load_format="dummy", dtype="bfloat16", device="cuda",
                                        max_num_seqs=8, max_model_len=1024, gpu_memory_utilization=0.2,
                                        swap_space=0.1)
-    runner = engine.runner
+    runner = engine.worker
     assert runner.cuda_runner is not None and runner.cuda_runner.graphs.sizes == [1, 2, 4, 8]
     sampled = []
     collect = runner.collect

@@ -20,10 +20,10 @@ from wllm.sampling_params import SamplingParams
 def kernel_engine(model, **kwargs):
     """An engine whose runner steps through CudaStepRunner (on the CPU: kernel references)."""
     engine = engine_for(model, **kwargs)
-    runner = engine.runner
-    runner.cuda_runner = CudaStepRunner(model, runner.kv_cache, max_num_batched_tokens=kwargs.get("budget", 2048),
-                                        max_num_seqs=kwargs.get("seqs", 256), max_model_len=engine.max_model_len,
-                                        enforce_eager=True)
+    worker = engine.worker
+    worker.runner = CudaStepRunner(model, worker.kv_cache, max_num_batched_tokens=kwargs.get("budget", 2048),
+                                   max_num_seqs=kwargs.get("seqs", 256), max_model_len=engine.max_model_len,
+                                   enforce_eager=True)
     return engine
 
 
@@ -63,7 +63,7 @@ def install_graphs(runner, budget, seqs, prefill=True):
 
 def graph_engine(model, prefill=False, **kwargs):
     engine = kernel_engine(model, **kwargs)
-    install_graphs(engine.runner.cuda_runner, kwargs.get("budget", 2048), kwargs.get("seqs", 256), prefill)
+    install_graphs(engine.worker.runner, kwargs.get("budget", 2048), kwargs.get("seqs", 256), prefill)
     return engine
 
 
@@ -75,7 +75,7 @@ def test_padded_graph_steps_match_hf_and_seeded_sampling_is_unchanged(name, tmp_
     engine = graph_engine(model, budget=7, seqs=12)  # graph sizes 1, 2, 4, 8, 16: every step is padded
     outs = run_staggered(engine, prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference(name, hf, prompts)
-    runner = engine.runner.cuda_runner
+    runner = engine.worker.runner
     assert runner.num_graph_steps > 0 and runner.num_eager_steps > 0
     assert_all_free(engine)
     params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=i, ignore_eos=True,
@@ -97,7 +97,7 @@ def test_padded_prefill_graph_steps_match_hf_and_eager(name, tmp_path_factory):
     engine = graph_engine(model, prefill=True, budget=20, seqs=12)  # prefill shapes 16/32 tokens x 1-16 seqs
     outs = run_staggered(engine, prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference(name, hf, prompts)
-    runner = engine.runner.cuda_runner
+    runner = engine.worker.runner
     # Every step fits a captured shape: none runs eagerly. The first prompts have nobody decoding beside them
     # (prompt-only graphs); later steps carry decode rows (mixed graphs), some of more than 8 sequences.
     assert runner.num_prefill_graph_steps > 0 and runner.num_graph_steps > 0 and runner.num_eager_steps == 0
@@ -113,7 +113,7 @@ def test_padded_prefill_graph_steps_match_hf_and_eager(name, tmp_path_factory):
     padded = graphed.generate(prompts[:5], params)
     eager = kernel_engine(model, seqs=8).generate(prompts[:5], params)
     assert [o.outputs[0].token_ids for o in padded] == [o.outputs[0].token_ids for o in eager]
-    assert graphed.runner.cuda_runner.num_prefill_graph_steps > 0
+    assert graphed.worker.runner.num_prefill_graph_steps > 0
 
 
 def test_prefill_graph_shapes_cover_the_budget_and_stop_there():
@@ -149,7 +149,7 @@ def test_kernel_path_greedy_matches_hf_staggered(name, budget, caching, tmp_path
     engine = kernel_engine(model, budget=budget, caching=caching)
     outs = run_staggered(engine, prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
-    assert engine.runner.cuda_runner.num_eager_steps == engine.num_steps
+    assert engine.worker.runner.num_eager_steps == engine.num_steps
     if caching:
         assert engine.stats()["prefix_cache_hits"] > 0
     assert_all_free(engine)
@@ -245,7 +245,7 @@ def test_decode_graphs_serve_logprob_requests_as_the_eager_path_does(name, tmp_p
     graphed = graph_engine(model, seqs=8)
     got = graphed.generate(prompts, params)
     want = kernel_engine(model, seqs=8).generate(prompts, params)
-    runner = graphed.runner.cuda_runner
+    runner = graphed.worker.runner
     assert runner.num_graph_steps >= 5 and runner.num_eager_steps == 1  # the one prefill step
     for a, b in zip(got, want, strict=True):
         _assert_same_logprobs(a, b)
@@ -256,7 +256,7 @@ def test_decode_graphs_serve_logprob_requests_as_the_eager_path_does(name, tmp_p
     graphed = graph_engine(model, prefill=True, budget=7, seqs=8)
     got = run_staggered(graphed, prompts, params)
     want = run_staggered(kernel_engine(model, budget=7, seqs=8), prompts, params)
-    runner = graphed.runner.cuda_runner
+    runner = graphed.worker.runner
     assert runner.num_prefill_graph_steps >= 5 and runner.num_graph_steps >= 3 and runner.num_eager_steps == 0
     for a, b in zip(got, want, strict=True):
         _assert_same_logprobs(a, b)
@@ -275,7 +275,7 @@ def test_prefill_graphs_serve_prompts_that_fork_n_sequences(tmp_path_factory):
     graphed = graph_engine(model, prefill=True, budget=16, seqs=16)
     got = run_staggered(graphed, prompts, params, per_step=1)
     want = run_staggered(kernel_engine(model, budget=16, seqs=16), prompts, params, per_step=1)
-    runner = graphed.runner.cuda_runner
+    runner = graphed.worker.runner
     assert runner.num_eager_steps == 0 and runner.num_prefill_graph_steps >= 5
     assert any(s > 1 for _, s, _ in runner.prefill_graphs.replayed)
     for a, b in zip(got, want, strict=True):
@@ -319,7 +319,7 @@ def test_graph_steps_equal_eager_steps_on_random_mixes(seed, tmp_path_factory):
     graphed = graph_engine(model, prefill=True, budget=budget, seqs=seqs, caching=rng.choice([True, False]))
     got = run_staggered(graphed, prompts, params, per_step=per)
     want = run_staggered(kernel_engine(model, budget=budget, seqs=seqs), prompts, params, per_step=per)
-    runner = graphed.runner.cuda_runner
+    runner = graphed.worker.runner
     assert runner.num_graph_steps + runner.num_prefill_graph_steps > 0
     for a, b in zip(got, want, strict=True):
         _assert_same_logprobs(a, b, tol=1e-4)
@@ -425,7 +425,7 @@ def test_prefill_graphs_leave_prompt_logprob_steps_eager(tmp_path_factory):
         (want,) = kernel_engine(model, seqs=8, caching=False).generate([prompt], params)
         assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
         assert (got.prompt_logprobs is None) == (want.prompt_logprobs is None)
-        assert (graphed.runner.cuda_runner.num_prefill_graph_steps > 0) == (i != 2)
+        assert (graphed.worker.runner.num_prefill_graph_steps > 0) == (i != 2)
         assert_all_free(graphed)
 
 
@@ -480,7 +480,7 @@ def test_incremental_staging_equals_a_fresh_write():
     import random
 
     from wllm.engine.cuda_runner import StepInputs
-    from wllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from wllm.engine.step_plan import StepPlan, StepRow
 
     rng = random.Random(0)
     cpu, bs, vocab = torch.device("cpu"), 4, 50
@@ -509,16 +509,16 @@ def test_incremental_staging_equals_a_fresh_write():
         penalty_step = rng.random() < 0.1
         rows = [SamplingRow(penalised, 7, 0, (1, 2, 3), s[2], [2]) if penalty_step and k == 0 else s[3]
                 for k, s in enumerate(current)]
-        out = SchedulerOutput([ScheduledSeq(s[0], [s[2][-1]], len(s[1]) * bs - 1 - rng.randrange(bs), s[1], 1, r)
-                               for s, r in zip(current, rows)], [], [], [], len(current))
-        n = len(out.seqs)
+        out = StepPlan.build([StepRow(s[0], [s[2][-1]], len(s[1]) * bs - 1 - rng.randrange(bs), s[1], 1, r)
+                              for s, r in zip(current, rows)])
+        n = len(out.rows)
         padded = n + (rng.randrange(1, 3) if rng.random() < 0.2 else 0)  # mostly the last step's layout
         ahead = rng.choice([0, 1, [rng.randrange(2) for _ in range(n)]])
         event = rng.random()
         if event < 0.15:  # another shape's step writes over the shared host bytes
             other = inputs.layout(40, 30, 30)
             buffers.pack([s[3] for s in seqs[:30]], 30, stage=inputs.sampling_stage(other))
-            inputs.fill(other, SchedulerOutput([], [], [], [], 0), bs, 30, 40)
+            inputs.fill(other, None, bs, 30, 40)
             other.np["block_tables"][:] = 99
         elif event < 0.25:  # a graph shape's pack that falls back to an eager step (no fill of that shape)
             other = inputs.layout(padded + 8, padded + 8, padded + 8)
@@ -558,7 +558,7 @@ def test_a_graph_step_that_falls_back_to_eager_does_not_leave_stale_block_tables
     params = [plain] * 4 + [penalised]  # rows 0-3 are staged before the penalised row sends pack the long way
 
     def run(engine):
-        runner = engine.runner.cuda_runner
+        runner = engine.worker.runner
         runner.sampling = SamplingBuffers(runner.sampling.max_rows, runner.sampling.vocab_size, runner.device,
                                           penalty_capacity=4)  # the penalised row overflows: no graph step
         for i, (prompt, p) in enumerate(zip(prompts, params)):

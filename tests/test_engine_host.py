@@ -90,7 +90,7 @@ def test_close_frees_an_engine_caught_in_a_cycle_and_refuses_more_work(tmp_path_
     engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=4))
     engine.step()
     engine.add_request("b", [3, 4], SamplingParams(max_tokens=4))
-    cache, runner = weakref.ref(engine.runner.kv_cache), weakref.ref(engine.runner)
+    cache, runner = weakref.ref(engine.worker.kv_cache), weakref.ref(engine.worker)
     del model
     model_ref = weakref.ref(engine.model)
     engine_ref = weakref.ref(engine)
@@ -180,9 +180,9 @@ def test_a_due_full_collection_runs_while_two_steps_are_queued_and_outputs_stay_
                               scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
                               async_scheduling=async_on)
         engine = LLMEngine(model, None, config)
-        runner = CudaStepRunner(model, engine.runner.kv_cache, max_num_batched_tokens=64, max_num_seqs=8,
+        runner = CudaStepRunner(model, engine.worker.kv_cache, max_num_batched_tokens=64, max_num_seqs=8,
                                 max_model_len=engine.max_model_len, enforce_eager=True)
-        engine.runner.cuda_runner = runner
+        engine.worker.runner = runner
         return engine
 
     prompts = make_prompts(12)
@@ -191,18 +191,18 @@ def test_a_due_full_collection_runs_while_two_steps_are_queued_and_outputs_stay_
     events = []
     monkeypatch.setattr(llm_engine, "_GENERATIONAL_GC", True)
     monkeypatch.setattr(llm_engine, "gc", FakeGC(events))  # a full collection is always due
-    launch, collect = engine.runner.launch, engine.runner.collect
+    launch, collect = engine.worker.launch, engine.worker.collect
 
     def spy_launch(out, prev=None):
-        events.append(("launch ahead" if out.prev_rows is not None else "launch", id(out)))
+        events.append(("launch ahead" if out.in_flight else "launch", id(out)))
         return launch(out, prev)
 
     def spy_collect(handle):
         events.append(("collect", None))
         return collect(handle)
 
-    monkeypatch.setattr(engine.runner, "launch", spy_launch)
-    monkeypatch.setattr(engine.runner, "collect", spy_collect)
+    monkeypatch.setattr(engine.worker, "launch", spy_launch)
+    monkeypatch.setattr(engine.worker, "collect", spy_collect)
     ahead = engine.generate(prompts, greedy(6))
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in ahead] == \
         [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in in_turn]

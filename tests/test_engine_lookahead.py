@@ -53,13 +53,13 @@ def make(request, tmp_path_factory):
             async_scheduling=async_on)
         engine = LLMEngine(model, tokenizer, config, eos_token_ids=list(eos))
         if kind == "cuda":
-            assert engine.runner.cuda_runner is not None, "the CUDA kernel path was not selected"
+            assert engine.worker.use_cuda_kernels, "the CUDA kernel path was not selected"
             return engine
-        runner = CudaStepRunner(model, engine.runner.kv_cache, max_num_batched_tokens=budget, max_num_seqs=seqs,
+        runner = CudaStepRunner(model, engine.worker.kv_cache, max_num_batched_tokens=budget, max_num_seqs=seqs,
                                 max_model_len=engine.max_model_len, enforce_eager=True)
         if kind == "cpu-graphs":
             install_graphs(runner, budget, seqs)
-        engine.runner.cuda_runner = runner
+        engine.worker.runner = runner
         return engine
 
     build.kind = kind
@@ -109,10 +109,10 @@ def test_batch_one_runs_every_decode_step_ahead_and_wastes_none(make):
     # Step 1 is the prefill; steps 2..12 were each launched before the step before them had
     # returned its token (step 2 while the prefill ran); no step past max_tokens was launched.
     assert engine.num_steps == 12 and engine.num_lookahead_steps == 11
-    assert engine.runner.cuda_runner.num_lookahead_steps == 11
-    assert sync.num_lookahead_steps == 0 and sync.runner.cuda_runner.num_lookahead_steps == 0
+    assert engine.worker.runner.num_lookahead_steps == 11
+    assert sync.num_lookahead_steps == 0 and sync.worker.runner.num_lookahead_steps == 0
     if make.kind != "cpu-eager":
-        assert engine.runner.cuda_runner.num_graph_steps == 11
+        assert engine.worker.runner.num_graph_steps == 11
     assert_all_free(engine)
 
 
@@ -231,15 +231,15 @@ def test_penalties_never_run_ahead_and_logprobs_do(make):
     for params in (SamplingParams(temperature=0.0, max_tokens=6, presence_penalty=0.5),
                    SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.2, logprobs=1)):
         engine = make(True, seqs=4)
-        sched, plan, reasons = engine.scheduler, engine.scheduler.schedule_lookahead, set()
+        sched, plan, reasons = engine.scheduler, engine.scheduler.schedule, set()
 
-        def planned(prev, sched=sched, plan=plan, reasons=reasons):
-            out = plan(prev)
+        def planned(in_flight=None, sched=sched, plan=plan, reasons=reasons):
+            out = plan(in_flight)
             if out is None:
-                reasons.add(sched.lookahead_refusal)
+                reasons.add(sched.wait_reason)
             return out
 
-        sched.schedule_lookahead = planned
+        sched.schedule = planned
         assert_same(engine.generate(prompts, params), make(False).generate(prompts, params))
         assert engine.num_lookahead_steps == 0
         assert reasons == {"penalties", "nothing left to run"}  # the scheduler names its refusals
@@ -284,7 +284,7 @@ def test_async_scheduling_is_an_engine_argument_and_a_cli_flag():
 def test_the_pytorch_path_runs_in_step(tmp_path_factory):
     model, _ = tiny("llama", tmp_path_factory)
     engine = LLMEngine(model, None, EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=64)))
-    assert engine.config.async_scheduling and engine.runner.cuda_runner is None
+    assert engine.config.async_scheduling and not engine.worker.supports_in_flight
     outs = engine.generate(make_prompts(2), greedy(6))
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs) and engine.num_lookahead_steps == 0
 
@@ -301,16 +301,15 @@ def record_steps(engine):
     """Log every step launched without an error as [(seq id, start position, tokens, samples, token ids
     or None where the input token is the previous step's sample, still on the device)], in order."""
     log = []
-    launch = engine.runner.launch
+    launch = engine.worker.launch
 
     def logged(out, prev=None):
         handle = launch(out, prev)
-        rows = out.prev_rows or [-1] * len(out.seqs)
         log.append([(s.seq_id, s.start_pos, len(s.token_ids), s.num_samples,
-                     None if r >= 0 else tuple(s.token_ids)) for s, r in zip(out.seqs, rows)])
+                     None if s.feed >= 0 else tuple(s.token_ids)) for s in out.rows])
         return handle
 
-    engine.runner.launch = logged
+    engine.worker.launch = logged
     return log
 
 
@@ -528,7 +527,7 @@ def test_a_step_failing_on_the_device_gives_back_what_the_step_ahead_admitted(ma
     for async_on in (False, True):
         engine = make(async_on, budget=48, seqs=8)
         logs.append(record_steps(engine))
-        collect = engine.runner.collect
+        collect = engine.worker.collect
         calls = []
 
         def failing(handle, collect=collect, calls=calls):
@@ -537,15 +536,15 @@ def test_a_step_failing_on_the_device_gives_back_what_the_step_ahead_admitted(ma
                 raise RuntimeError("device error")
             return collect(handle)
 
-        engine.runner.collect = failing
-        cancel = engine.scheduler.cancel_lookahead
+        engine.worker.collect = failing
+        cancel = engine.scheduler.cancel
 
         def counted(out, cancel=cancel, scheduler=engine.scheduler):
             if scheduler._ahead is not None and scheduler._ahead[0] is out:
                 cancelled.append(len(scheduler._ahead[1]))
             cancel(out)
 
-        engine.scheduler.cancel_lookahead = counted
+        engine.scheduler.cancel = counted
         outs.append(engine.generate(prompts, params))
         stats = engine.stats()
         assert stats["num_failed_steps"] == 1

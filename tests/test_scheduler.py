@@ -5,7 +5,8 @@ import pytest
 from wllm.engine.config import CacheConfig, SchedulerConfig
 from wllm.engine.request import QueueFullError, RequestGroup
 from wllm.engine.sampler import SampledToken
-from wllm.engine.scheduler import Scheduler, SeqResult
+from wllm.engine.scheduler import Scheduler
+from wllm.engine.step_plan import RowResult
 from wllm.sampling_params import SamplingParams
 
 EOS = 0
@@ -27,13 +28,13 @@ def add(s, rid, n_prompt, max_tokens=4, priority=0, first_token=100, arrival=Non
 
 def run_step(s, token=7):
     out = s.schedule()
-    results = {x.seq_id: SeqResult([SampledToken(token + k, -0.5) for k in range(x.num_samples)]) for x in out.seqs}
+    results = {x.seq_id: RowResult([SampledToken(token + k, -0.5) for k in range(x.num_samples)]) for x in out.rows}
     s.update_from_output(out, results)
     return out
 
 
 def plan(out):
-    return [(x.seq_id, x.start_pos, len(x.token_ids), x.num_samples) for x in out.seqs]
+    return [(x.seq_id, x.start_pos, len(x.token_ids), x.num_samples) for x in out.rows]
 
 
 def test_chunked_prefill_under_one_budget_then_decode_first():
@@ -65,10 +66,10 @@ def test_max_num_seqs_and_finish_frees_blocks():
     for i, rid in enumerate("abc"):
         add(s, rid, 3, max_tokens=1, first_token=100 * (i + 1))
     out = run_step(s)
-    assert [x.seq_id for x in out.seqs] == ["a", "b"]
+    assert [x.seq_id for x in out.rows] == ["a", "b"]
     assert s.groups["a"].seqs[0].finish_reason == "length"
     assert s.kv.num_free_blocks == 16
-    assert [x.seq_id for x in run_step(s).seqs] == ["c"]
+    assert [x.seq_id for x in run_step(s).rows] == ["c"]
 
 
 def test_bounded_waiting_queue_rejects_with_clear_error():
@@ -93,7 +94,7 @@ def test_priority_policy_orders_by_priority_then_arrival():
     add(s, "late-low", 3, priority=5, arrival=1.0)
     add(s, "urgent", 3, priority=-1, arrival=2.0)
     add(s, "normal-early", 3, priority=0, arrival=0.5)
-    assert [x.seq_id for x in run_step(s).seqs] == ["urgent"]
+    assert [x.seq_id for x in run_step(s).rows] == ["urgent"]
     assert [x.seq_id for x in s.waiting] == ["normal-early", "late-low"]
 
 
@@ -104,7 +105,7 @@ def test_stop_conditions_eos_stop_token_and_min_tokens():
     add(s, "ign", 3, max_tokens=2, first_token=300, ignore_eos=True)
     out = s.schedule()
     tokens = {"eos": EOS, "stopid": 9, "ign": EOS}
-    s.update_from_output(out, {x.seq_id: SeqResult([SampledToken(tokens[x.seq_id], 0.0)]) for x in out.seqs})
+    s.update_from_output(out, {x.seq_id: RowResult([SampledToken(tokens[x.seq_id], 0.0)]) for x in out.rows})
     g = s.groups
     assert (g["eos"].seqs[0].finish_reason, g["eos"].seqs[0].stop_reason) == ("stop", None)
     assert (g["stopid"].seqs[0].finish_reason, g["stopid"].seqs[0].stop_reason) == ("stop", 9)
@@ -185,7 +186,7 @@ def test_n_greater_than_one_forks_after_prefill_sharing_blocks():
     assert [[b.block_id for b in q.blocks] for q in group.seqs] == [[0, 1], [0, 2], [0, 3]]
     out = run_step(s)
     assert out.blocks_to_copy == [(1, 2), (1, 3)]
-    assert [x.seq_id for x in out.seqs] == ["a", "a#1", "a#2"]
+    assert [x.seq_id for x in out.rows] == ["a", "a#1", "a#2"]
     while s.seqs:
         run_step(s)
     assert s.kv.num_free_blocks == 16

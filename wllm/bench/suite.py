@@ -71,7 +71,7 @@ def _with_llm(cfg: BenchConfig, shape: Shape, workload_len: int, body: Callable[
     start = time.perf_counter()
     llm = build_llm(shape, cfg.engine, workload_len)
     load_s = time.perf_counter() - start
-    cfg.log(f"[wllm] {shape.name}: engine built in {load_s:.1f} s on {llm.engine.runner.device}; timing")
+    cfg.log(f"[wllm] {shape.name}: engine built in {load_s:.1f} s on {llm.engine.worker.device}; timing")
     try:
         return body(llm), load_s
     finally:

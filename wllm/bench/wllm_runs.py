@@ -86,7 +86,7 @@ def _params(max_tokens: int) -> Any:
 
 def timed_generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> float:
     """Seconds for `llm.generate` to finish every prompt with exactly `max_tokens` tokens."""
-    device = llm.engine.runner.device
+    device = llm.engine.worker.device
     synchronize(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, _params(max_tokens))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
@@ -34,14 +33,11 @@ K = TypeVar("K", bound=Hashable)
 
 # Prefill/mixed steps captured: token counts 16, 32, ..., PREFILL_GRAPH_MAX_TOKENS by sequence counts 1,
 # 2, 4, ... (powers of two, at most the token count). Larger steps keep the GPU busy longer than the host
-# needs to launch them. WLLM_PREFILL_GRAPHS=0 runs them eagerly (A/B runs); --enforce-eager turns every
-# graph off.
+# needs to launch them. --enforce-eager turns every graph off.
 PREFILL_GRAPH_MAX_TOKENS = 512
-# Steps of prompt chunks only also have graphs without the decode kernel for up to this many sequences (in
-# a mixed graph its launch over no decode rows cost a 512-token prefill 0.5% (8B) and 2% (0.5B) in an
-# in-process A/B on the H200, medians; 8% of the 8B's fastest call).
+# Steps of prompt chunks only also have graphs without the decode kernel for up to this many sequences: in
+# a mixed graph its launch over no decode rows is a measurable part of a short prefill (RESULTS.md).
 PREFILL_ONLY_GRAPH_MAX_SEQS = 8
-PREFILL_GRAPHS = os.environ.get("WLLM_PREFILL_GRAPHS", "1") != "0"
 
 # fp64 [2, B]: row 0 the sampled token ids (exact in fp64), row 1 their logprobs. One tensor, so a
 # replayed step comes back to the host in one copy.

@@ -15,17 +15,14 @@ logprob matrices when a request asked for them) come back in one device-to-host 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence as Seq
 
-import msgspec
 import numpy as np
 import torch
 from torch import nn
 
 from wllm.engine.cuda_attention import CudaAttentionContext, layer_caches, mixed_split
 from wllm.engine.cuda_graphs import (
-    PREFILL_GRAPHS,
     DecodeGraphs,
     GraphOutputs,
     PrefillGraphs,
@@ -34,7 +31,7 @@ from wllm.engine.cuda_graphs import (
 )
 from wllm.engine.gpu_sampler import SamplingBuffers, StagedBuffer, logprob_matrix, step_logprobs_from_row
 from wllm.engine.sampler import SampledToken, SamplingRow
-from wllm.engine.scheduler import ScheduledSeq, SchedulerOutput, SeqResult, decode_first_order
+from wllm.engine.step_plan import RowResult, StepPlan, StepRow
 from wllm.kernels import decode_workspace_size, sample
 from wllm.kernels.ops import host_mapped, stage_copy
 
@@ -44,9 +41,8 @@ logger = logging.getLogger(__name__)
 _NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 # Steps whose staged inputs are at most this many bytes (decode batches up to ~48 sequences at a 4k
 # context) upload them with `kernels.stage_copy` when pinned memory is mapped; larger ones keep the copy
-# engine, which moves bulk bytes faster. WLLM_ZERO_COPY_STAGING=0 turns the kernel path off (A/B runs).
+# engine, which moves bulk bytes faster.
 STAGE_KERNEL_MAX_BYTES = 64 << 10
-ZERO_COPY_STAGING = os.environ.get("WLLM_ZERO_COPY_STAGING", "1") != "0"
 
 
 class StageLayout:
@@ -78,7 +74,7 @@ class StageLayout:
         """The upload as one small kernel reading the pinned bytes in place (`kernels.stage_copy`), which
         then also writes a lookahead step's input ids from `prev_tokens` (the previous step's samples on
         the device): input_ids[pairs[i]] = prev_tokens[pairs[n + i]] for i < n ((i, i) when pairs is None;
-        pairs are the staged `prev_rows`, already written into the host bytes)."""
+        pairs are the staged `feeds`, already written into the host bytes)."""
         prev = prev_tokens.contiguous() if n and prev_tokens is not None else None
         stage_copy(self._dev, self._host, self.dev["input_ids"], prev, pairs, n)
 
@@ -126,21 +122,21 @@ class StepInputs:
                 ("slots", torch.int64, (tokens,)), ("seq_lens", torch.int32, (seqs,)),
                 ("query_start", torch.int32, (seqs + 1,)), ("params_f32", torch.float32, (rows, 6)),
                 ("params_i64", torch.int64, (rows, 3)), ("block_tables", torch.int32, (seqs, self.max_blocks)),
-                ("prev_rows", torch.int64, (2 * seqs,)))
+                ("feeds", torch.int64, (2 * seqs,)))
 
     def layout(self, tokens: int, seqs: int, rows: int) -> StageLayout:
         """The layout of a step of `tokens` tokens, `seqs` sequences and `rows` staged sampling rows."""
         key = (tokens, seqs, rows)
         return self.stage.layout(key, self._fields(*key))
 
-    def fill(self, layout: StageLayout, out: SchedulerOutput, block_size: int, padded_seqs: int,
+    def fill(self, layout: StageLayout, plan: StepPlan | None, block_size: int, padded_seqs: int,
              padded_tokens: int) -> int:
         """Write the step's sequences plus padding rows into `layout`; returns the longest context.
         Padding tokens write to slot -1 and padding sequences have no context. The caller uploads."""
         v = layout.np
         ids, pos, slots = v["input_ids"], v["positions"], v["slots"]
         lens, starts = v["seq_lens"], v["query_start"]
-        seqs = out.seqs
+        seqs = plan.rows if plan is not None else []
         num_seqs = len(seqs)
         self._fill_tables(layout, seqs)
         starts[0] = 0
@@ -172,7 +168,7 @@ class StepInputs:
             starts[num_seqs + 1:padded_seqs + 1] = t
         return longest
 
-    def _fill_tables(self, layout: StageLayout, seqs: Seq[ScheduledSeq]) -> None:
+    def _fill_tables(self, layout: StageLayout, seqs: Seq[StepRow]) -> None:
         """Write the sequences' block tables into `layout`'s rows. A sequence's `block_ids` list only grows in
         place (a new block table is a new list), so a row that holds the same list as when this layout was
         last filled only gets its new entries: a decode step rewrites a handful of ids, not every table.
@@ -214,14 +210,11 @@ class StepInputs:
 class PendingStep:
     """A launched step whose results are not on the host yet (see `CudaStepRunner.launch`)."""
 
-    __slots__ = ("out", "rows", "owners", "want_logprobs", "host_packed", "host_tokens", "host_logprobs",
+    __slots__ = ("plan", "want_logprobs", "host_packed", "host_tokens", "host_logprobs",
                  "host_prompt", "host_sample", "device_tokens", "inputs_done", "done")
 
-    def __init__(self, out: SchedulerOutput, rows: list[SamplingRow], owners: list[str],
-                 want_logprobs: list[int]) -> None:
-        self.out = out
-        self.rows = rows
-        self.owners = owners
+    def __init__(self, plan: StepPlan, want_logprobs: list[int]) -> None:
+        self.plan = plan
         self.want_logprobs = want_logprobs
         self.host_packed: torch.Tensor | None = None  # graph step: fp64 [2, padded] ids and logprobs
         self.host_tokens: torch.Tensor | None = None  # eager step: ids, logprobs, logprob matrices
@@ -235,6 +228,8 @@ class PendingStep:
 
 class CudaStepRunner:
     """Executes steps on CUDA with the kernel library; owns the graphs and the staged buffers."""
+
+    supports_in_flight = True  # `launch` only queues device work: the next step can be planned meanwhile
 
     def __init__(self, model: nn.Module, kv_cache: torch.Tensor, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, enforce_eager: bool = False) -> None:
@@ -254,7 +249,7 @@ class CudaStepRunner:
         sizes = [] if enforce_eager or not on_cuda else graph_batch_sizes(max_num_seqs)
         self.graphs = DecodeGraphs(sizes, self.device)
         shapes = prefill_graph_shapes(max_num_batched_tokens, max_num_seqs)
-        self.prefill_graphs = PrefillGraphs(shapes if sizes and PREFILL_GRAPHS else [], self.device)
+        self.prefill_graphs = PrefillGraphs(shapes if sizes else [], self.device)
         # Room for the largest graph shapes even when graphs are off (tests swap in stand-in graphs).
         capacity = max(max_num_batched_tokens, graph_batch_sizes(max_num_seqs)[-1], max_num_seqs,
                        max(key[0] for key in shapes))
@@ -277,7 +272,7 @@ class CudaStepRunner:
         self._host_graph_out: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
         # Decode-sized steps move their inputs and sampled ids with a small kernel instead of copy-engine
         # transfers (each leaves the GPU idle ~9 us on both sides, per step), where pinned memory is mapped.
-        self._zero_copy = on_cuda and ZERO_COPY_STAGING and host_mapped(self.inputs.stage.host)
+        self._zero_copy = on_cuda and host_mapped(self.inputs.stage.host)
         self.num_graph_steps = 0  # decode steps replayed
         self.num_prefill_graph_steps = 0
         self.num_eager_steps = 0
@@ -295,6 +290,23 @@ class CudaStepRunner:
                                (self.graphs, self.prefill_graphs)):
                     graphs.capture(self._prepare_padding, self._graph_forward, pool)
 
+    @staticmethod
+    def profile_forward(model: nn.Module, scratch: torch.Tensor, num_tokens: int, num_rows: int,
+                        max_model_len: int) -> None:
+        """The largest step's forward, logits and sampling over a scratch cache, for memory profiling."""
+        device = scratch.device
+        i32 = {"dtype": torch.int32, "device": device}
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        # Positions wrap at max_model_len: the rotary table has no rows past it; memory is the same.
+        positions = torch.arange(num_tokens, device=device) % max_model_len
+        ctx = CudaAttentionContext(layer_caches(scratch), torch.arange(num_tokens, device=device),
+                                   torch.arange(scratch.shape[2], **i32)[None], torch.tensor([num_tokens], **i32),
+                                   torch.tensor([0, num_tokens], **i32), decode=False, max_seq_len=num_tokens)
+        hidden = model(ids, positions, ctx)
+        logits = model.compute_logits(hidden[-num_rows:])
+        sample(logits, torch.zeros(num_rows, 6, device=device), torch.zeros(num_rows, 3, dtype=torch.int64,
+                                                                            device=device))
+
     # ------------------------------------------------------------------------------------- graphs
     @staticmethod
     def _graph_shape(key: int | tuple[int, int, bool]) -> tuple[int, int]:
@@ -307,7 +319,7 @@ class CudaStepRunner:
         tokens, seqs = self._graph_shape(key)
         layout = self.inputs.layout(tokens, seqs, seqs)
         layout.np["block_tables"][:] = 0
-        self.inputs.fill(layout, SchedulerOutput([], [], [], [], 0), self.block_size, seqs, tokens)
+        self.inputs.fill(layout, None, self.block_size, seqs, tokens)
         self.sampling.pack([], seqs, full_csr=True, stage=self.inputs.sampling_stage(layout))
         layout.upload()
         if not isinstance(key, int):
@@ -346,95 +358,42 @@ class CudaStepRunner:
         return buf[:rows]
 
     # --------------------------------------------------------------------------------------- step
-    def execute(self, out: SchedulerOutput) -> dict[str, SeqResult]:
-        """Run one step's forward and sampling; returns each sequence's sampled tokens and prompt logprobs."""
-        return self.collect(self.launch(out))
+    def execute(self, plan: StepPlan) -> dict[str, RowResult]:
+        """Run one step's forward and sampling; returns each row's sampled tokens and prompt logprobs."""
+        return self.collect(self.launch(plan))
 
-    def launch(self, out: SchedulerOutput, prev: PendingStep | None = None) -> PendingStep:
+    def launch(self, plan: StepPlan, prev: PendingStep | None = None) -> PendingStep:
         """Enqueue one step (uploads, forward, sampling, the copy of its results to the host) and
         return without waiting for the device; `collect` waits and returns the results.
 
-        A lookahead step (`out.prev_rows` set) is launched while `prev`, the step before it, may
-        still run: the input token of each sequence with a row in `prev_rows` is prev's sample of
-        that row, copied on the device before the forward, and its sampling row counts that token
-        as an output already. Its other sequences (prompt chunks) have their tokens on the host.
+        A step planned with `prev` in flight (`plan.in_flight`) is launched while prev may still run:
+        the input token of each row with a `feed` is prev's sample of that sampling row, copied on the
+        device before the forward, and its sampling row counts that token as an output already
+        (`plan.sample_ahead`). Its other rows (prompt chunks) have their tokens on the host.
         """
-        prev_rows = out.prev_rows
-        if prev_rows is not None:
+        if plan.in_flight:
             if prev is None:
-                raise ValueError("a lookahead step needs the step before it")
+                raise ValueError("a step planned with a step in flight needs that step")
             if prev.inputs_done is not None:
                 # The host is about to rewrite the pinned staging buffers prev was uploaded from.
                 # prev's uploads are the first work queued after the step before it, which the host
                 # has already waited for, so this returns at once in steady state.
                 prev.inputs_done.synchronize()
-        seqs = out.seqs
-        num_decode = sum(1 for s in seqs if len(s.token_ids) == 1)
-        all_decode = num_decode == len(seqs)
-        order = decode_first_order(seqs) if 0 < num_decode < len(seqs) else None
-        if order is not None:
-            # Mixed step: single-token sequences first, so attention sends them to the decode
-            # kernel (see CudaAttentionContext); results are keyed by sequence id, order is free.
-            # The scheduler numbers a step's sampling rows in this order too (lookahead inputs).
-            seqs = [seqs[i] for i in order]
-            if prev_rows is not None:
-                prev_rows = [prev_rows[i] for i in order]
-            out = msgspec.structs.replace(out, seqs=seqs, prev_rows=prev_rows)
-        else:
-            num_decode = 0
-        rows: list[SamplingRow] = []
-        owners: list[str] = []
-        sample_hidden_rows: list[int] = []
-        prompt_rows: list[int] = []
-        # Lookahead inputs: prev's rows and the token indices they feed. Steady decode: every
-        # sequence, one token each (token index = sequence index), without a per-sequence check.
-        src_rows: list[int] = []
-        dst_tokens: list[int] = []
-        per_seq = prev_rows is not None
-        if per_seq and all_decode and min(prev_rows, default=-1) >= 0:
-            src_rows, dst_tokens, per_seq = prev_rows, list(range(len(seqs))), False
-        t = 0
-        one_token = True  # every sequence has one new token: the decode kernel serves the step
-        one_row_each = True  # every sequence samples once: sampling row i is sequence i (what a decode graph does)
-        graphable = True  # no prompt logprobs (their logits rows are a prompt's tokens): a graph can replay it
-        for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            if n != 1:
-                one_token = False
-            if s.num_samples != 1:
-                one_row_each = False
-            if s.prompt_logprob_targets:
-                graphable = False
-                first = t + s.prompt_logprob_start - s.start_pos
-                prompt_rows.extend(range(first, first + len(s.prompt_logprob_targets)))
-            if per_seq and prev_rows[i] >= 0:
-                src_rows.append(prev_rows[i])
-                dst_tokens.append(t)
-            if s.num_samples:
-                assert s.sampling is not None
-                for k in range(s.num_samples):
-                    rows.append(s.sampling if k == 0 else _fork_row(s.sampling, k))
-                    owners.append(s.seq_id)
-                    sample_hidden_rows.append(t + n - 1)
-            t += n
-        lookahead = (src_rows, dst_tokens) if prev_rows is not None else None
-        # Sampling rows that count prev's token as an output already: those of the sequences fed by
-        # prev (one row each). Steady decode: all of them.
-        row_ahead: list[int] | int = 0
-        if src_rows:
-            if len(src_rows) == len(rows):
-                row_ahead = 1
-            else:
-                assert prev_rows is not None
-                row_ahead = [int(r >= 0) for s, r in zip(seqs, prev_rows) for _ in range(s.num_samples)]
+        rows = plan.samples
+        t = plan.num_tokens
+        num_decode = plan.num_decode
+        one_token = plan.one_token  # every row has one new token: the decode kernel serves the step
+        one_row_each = plan.one_sample_each  # sampling row i is row i (what a decode graph does)
+        graphable = not plan.prompt_tokens  # prompt logprobs' logits rows are a prompt's tokens: no graph
+        feeds = (plan.feed_rows, plan.feed_tokens) if plan.in_flight else None
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        num_seqs = len(seqs)
+        num_seqs = len(plan.rows)
         on_cuda = self.device.type == "cuda"
         # Host buffers the results are copied into alternate between consecutive steps: the host
         # reads step N's while step N+1's copy may already be queued.
         parity = self._parity
         self._parity ^= 1
-        pending = PendingStep(out, rows, owners, want_logprobs)
+        pending = PendingStep(plan, want_logprobs)
 
         # A graph of the step's padded shape: b for a decode batch of b, else (tokens, sequences, mixed).
         key: int | tuple[int, int, bool] | None = None
@@ -451,17 +410,18 @@ class CudaStepRunner:
             tokens_pad, seqs_pad = self._graph_shape(key)
             layout = self.inputs.layout(tokens_pad, seqs_pad, seqs_pad)
             sampling, static = self.sampling.pack(rows, seqs_pad, full_csr=True,
-                                                  stage=self.inputs.sampling_stage(layout), ahead=row_ahead)
+                                                  stage=self.inputs.sampling_stage(layout),
+                                                  ahead=plan.sample_ahead)
             if not static:
                 key = None
         if key is not None:
-            self.inputs.fill(layout, out, self.block_size, seqs_pad, tokens_pad)
+            self.inputs.fill(layout, plan, self.block_size, seqs_pad, tokens_pad)
             staged_rows = 0
             if not one_token:  # the sampled rows' hidden states, padding rows reading token 0
-                self.inputs.logit_rows.np[:len(rows)] = sample_hidden_rows
+                self.inputs.logit_rows.np[:len(rows)] = plan.sample_tokens
                 self.inputs.logit_rows.np[len(rows):seqs_pad] = 0
                 staged_rows = seqs_pad
-            self._upload(layout, lookahead, prev, pending, parity, staged_rows)
+            self._upload(layout, feeds, prev, pending, parity, staged_rows)
             if one_token:
                 packed = self.graphs.replay(key)
                 self.num_graph_steps += 1
@@ -491,9 +451,9 @@ class CudaStepRunner:
             staged = num_rows <= self.inputs.max_rows
             layout = self.inputs.layout(t, num_seqs, num_rows if staged else 0)
             stage = self.inputs.sampling_stage(layout) if staged else None
-            sampling, _ = self.sampling.pack(rows, stage=stage, ahead=row_ahead)
-            longest = self.inputs.fill(layout, out, self.block_size, num_seqs, t)
-            logit_rows = prompt_rows + sample_hidden_rows
+            sampling, _ = self.sampling.pack(rows, stage=stage, ahead=plan.sample_ahead)
+            longest = self.inputs.fill(layout, plan, self.block_size, num_seqs, t)
+            logit_rows = plan.prompt_tokens + plan.sample_tokens
             logit_index: torch.Tensor | None = None  # None: every token's hidden state
             staged_rows = 0
             if logit_rows != list(range(t)):
@@ -504,12 +464,11 @@ class CudaStepRunner:
                     staged_rows = len(logit_rows)
                 else:
                     logit_index = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            self._upload(layout, lookahead, prev, pending, parity, staged_rows)
+            self._upload(layout, feeds, prev, pending, parity, staged_rows)
             if staged_rows:
                 logit_index = self.inputs.logit_rows.dev[:staged_rows]
-            tokens, logprobs, prompt_mat, sample_mat = self._eager(layout, out, t, one_token, longest, sampling,
-                                                                   rows, prompt_rows, logit_index,
-                                                                   want_logprobs, num_decode)
+            tokens, logprobs, prompt_mat, sample_mat = self._eager(layout, plan, one_token, longest, sampling,
+                                                                   logit_index, want_logprobs)
             self.num_eager_steps += 1
             # Token ids, their logprobs and the logprob matrices come back in the step's one sync.
             host_tokens, host_logprobs = self.host_tokens[parity], self.host_logprobs[parity]
@@ -524,28 +483,28 @@ class CudaStepRunner:
             pending.host_prompt = prompt_mat.to("cpu", non_blocking=True) if prompt_mat is not None else None
             pending.host_sample = sample_mat.to("cpu", non_blocking=True) if sample_mat is not None else None
             pending.device_tokens = tokens
-        if prev_rows is not None:
+        if plan.in_flight:
             self.num_lookahead_steps += 1
         if on_cuda:
             pending.done = self._events[parity][1]
             pending.done.record(torch.cuda.current_stream(self.device))
         return pending
 
-    def _upload(self, layout: StageLayout, lookahead: tuple[list[int], list[int]] | None, prev: PendingStep | None,
+    def _upload(self, layout: StageLayout, feeds: tuple[list[int], list[int]] | None, prev: PendingStep | None,
                 pending: PendingStep, parity: int, logit_rows: int = 0) -> None:
-        """Send the staged inputs (and the first `logit_rows` staged logit rows); for a lookahead
-        step (`lookahead`: prev's sampling rows and the token indices they feed), then overwrite
+        """Send the staged inputs (and the first `logit_rows` staged logit rows); for a step planned with
+        one in flight (`feeds`: prev's sampling rows and the token indices they feed), then overwrite
         those input tokens with prev's samples on the device (stream order: after prev's sampling,
         before this step's forward). Records when the pinned buffers are free to be rewritten."""
         n = 0
         identity = True
-        if lookahead is not None:
-            src, dst = lookahead
+        if feeds is not None:
+            src, dst = feeds
             n = len(src)
             # Steady decode: every sequence takes prev's row of the same index.
             identity = src == dst == list(range(n))
             if n and not identity:
-                staged = layout.np["prev_rows"]
+                staged = layout.np["feeds"]
                 staged[:n] = dst
                 staged[n:2 * n] = src
         if n:
@@ -553,7 +512,7 @@ class CudaStepRunner:
         kernel = self._zero_copy and layout.nbytes <= STAGE_KERNEL_MAX_BYTES
         if kernel:
             # One small kernel: the staged bytes read in place, then the lookahead input ids.
-            layout.stage(prev.device_tokens if n else None, None if identity else layout.dev["prev_rows"], n)
+            layout.stage(prev.device_tokens if n else None, None if identity else layout.dev["feeds"], n)
         else:
             layout.upload()
         if logit_rows:
@@ -566,40 +525,39 @@ class CudaStepRunner:
             if identity:
                 ids[:n].copy_(prev.device_tokens[:n])
             else:
-                index = layout.dev["prev_rows"]
+                index = layout.dev["feeds"]
                 ids.index_copy_(0, index[:n], prev.device_tokens.index_select(0, index[n:2 * n]).to(ids.dtype))
 
     def release(self, pending: PendingStep) -> None:
         """Give up a launched step whose results nobody needs. Wait only until the host may rewrite
         the pinned buffers it was uploaded from; its device work runs on, ahead of whatever is
         launched later on the same stream, and its result buffer is not the next step's."""
-        # A lookahead step reads no reused pinned buffer after `inputs_done` (logit rows go up
-        # before it; prompt-logprob steps never run ahead); for any other step wait for all of it.
-        event = pending.inputs_done if pending.out.prev_rows is not None else pending.done
+        # A step planned with one in flight reads no reused pinned buffer after `inputs_done` (logit rows
+        # go up before it; prompt-logprob steps are never planned so); for any other step wait for all of it.
+        event = pending.inputs_done if pending.plan.in_flight else pending.done
         if event is not None:
             event.synchronize()
 
-    def collect(self, pending: PendingStep) -> dict[str, SeqResult]:
-        """Wait for a launched step's results to reach the host and return them per sequence."""
+    def collect(self, pending: PendingStep) -> dict[str, RowResult]:
+        """Wait for a launched step's results to reach the host and return them per row."""
         if pending.done is not None:
             pending.done.synchronize()
         if pending.host_packed is not None:
-            n = len(pending.rows)
+            n = len(pending.plan.samples)
             ids, lps = pending.host_packed.tolist()
-            return self._results(pending.out, pending.rows, pending.owners, [int(x) for x in ids[:n]], lps[:n],
-                                 pending.want_logprobs, pending.host_sample, None)
+            return self._results(pending.plan, [int(x) for x in ids[:n]], lps[:n], pending.want_logprobs,
+                                 pending.host_sample, None)
         assert pending.host_tokens is not None and pending.host_logprobs is not None
-        return self._results(pending.out, pending.rows, pending.owners, pending.host_tokens.tolist(),
-                             pending.host_logprobs.tolist(), pending.want_logprobs, pending.host_sample,
-                             pending.host_prompt)
+        return self._results(pending.plan, pending.host_tokens.tolist(), pending.host_logprobs.tolist(),
+                             pending.want_logprobs, pending.host_sample, pending.host_prompt)
 
-    def _eager(self, layout: StageLayout, out: SchedulerOutput, num_tokens: int, decode: bool, longest: int,
-               sampling: dict[str, torch.Tensor | None], rows: list[SamplingRow], prompt_rows: list[int],
-               logit_index: torch.Tensor | None, want_logprobs: list[int], num_decode: int = 0,
+    def _eager(self, layout: StageLayout, plan: StepPlan, decode: bool, longest: int,
+               sampling: dict[str, torch.Tensor | None], logit_index: torch.Tensor | None, want_logprobs: list[int],
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The eager forward and sampling; `logit_index`: the token rows to compute logits for (prompt
         rows, then sampled rows) on the device, None for every token."""
-        num_seqs = len(out.seqs)
+        num_seqs = len(plan.rows)
+        rows = plan.samples
         workspace = None
         if decode and self.workspace is not None:
             need = decode_workspace_size(num_seqs, self.num_heads, self.num_kv_heads, self.head_dim, longest,
@@ -609,14 +567,14 @@ class CudaStepRunner:
         d = layout.dev
         ctx = CudaAttentionContext(self.caches, d["slots"], d["block_tables"], d["seq_lens"], d["query_start"],
                                    decode=decode, max_seq_len=max(longest, 1), workspace=workspace,
-                                   num_decode_seqs=num_decode)
+                                   num_decode_seqs=plan.num_decode)
         hidden = self.model(d["input_ids"], d["positions"], ctx)
         logits = self.model.compute_logits(hidden if logit_index is None else hidden.index_select(0, logit_index))
-        num_prompt = len(prompt_rows)
+        num_prompt = len(plan.prompt_tokens)
         prompt_mat = None
         if num_prompt:
-            top = max(s.prompt_logprobs or 0 for s in out.seqs if s.prompt_logprob_targets)
-            targets = [t for s in out.seqs for t in s.prompt_logprob_targets]
+            top = max(s.prompt_logprobs or 0 for s in plan.rows if s.prompt_logprob_targets)
+            targets = [t for s in plan.rows for t in s.prompt_logprob_targets]
             target_dev = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
             prompt_mat = logprob_matrix(logits[:num_prompt], target_dev, top)
         if not rows:
@@ -628,20 +586,19 @@ class CudaStepRunner:
         return tokens, logprobs, prompt_mat, sample_mat
 
     @staticmethod
-    def _results(out: SchedulerOutput, rows: list[SamplingRow], owners: list[str], tokens: list[int],
-                 logprobs: list[float], want_logprobs: list[int], sample_mat: torch.Tensor | None,
-                 prompt_mat: torch.Tensor | None) -> dict[str, SeqResult]:
-        results = {s.seq_id: SeqResult([]) for s in out.seqs}
+    def _results(plan: StepPlan, tokens: list[int], logprobs: list[float], want_logprobs: list[int],
+                 sample_mat: torch.Tensor | None, prompt_mat: torch.Tensor | None) -> dict[str, RowResult]:
+        results = {s.seq_id: RowResult([]) for s in plan.rows}
         if prompt_mat is not None:
             matrix = prompt_mat.tolist()
             r = 0
-            for s in out.seqs:
+            for s in plan.rows:
                 for target in s.prompt_logprob_targets:
                     results[s.seq_id].prompt_logprobs.append(
                         step_logprobs_from_row(matrix[r], int(target), s.prompt_logprobs or 0))
                     r += 1
         detail = dict(zip(want_logprobs, sample_mat.tolist())) if sample_mat is not None else {}
-        for i, (row, owner, token) in enumerate(zip(rows, owners, tokens)):
+        for i, (row, owner, token) in enumerate(zip(plan.samples, plan.sample_owners, tokens)):
             if i in detail:
                 step = step_logprobs_from_row(detail[i], token, row.params.logprobs or 0)
                 results[owner].sampled.append(SampledToken(token, step.logprob, step))
@@ -658,7 +615,3 @@ def _logprob_matrix(logits: torch.Tensor, tokens: torch.Tensor, rows: list[Sampl
     index = torch.tensor(want, dtype=torch.int64).to(device, non_blocking=True)
     return logprob_matrix(logits.index_select(0, index), tokens.index_select(0, index).long(), top)
 
-
-def _fork_row(row: SamplingRow, index: int) -> SamplingRow:
-    """The sampling row of the `index`-th sequence forked from a prompt (no outputs yet)."""
-    return SamplingRow(row.params, row.seed, index, row.prompt_token_ids, [], row.eos_token_ids)

@@ -1,41 +1,30 @@
 """`LLMEngine`: the synchronous engine. Add requests, call `step()` until nothing is left.
 
-One step = schedule -> run the model -> append sampled tokens -> detokenize and check stop
-strings -> cumulative `RequestOutput`s for every request that changed.
+One step = plan (`Scheduler.schedule` -> `StepPlan`) -> run it (`Worker.launch` / `collect`) -> append
+the sampled tokens and decide stops (`StopChecker`: EOS, stop tokens, length, stop strings) -> cumulative
+`RequestOutput`s for every request that changed.
 
-Async scheduling (one-step lookahead, `EngineConfig.async_scheduling`, kernel path only). The host
-work of a step (wait for the tokens, append them, detokenize, check stops, build outputs, schedule,
-stage the inputs, launch the forward) is a large part of a decode step's GPU time and tens of ms
-around a prefill step's; done in sequence, the GPU idles through all of it. So `step()` works one
-step ahead:
+Async scheduling (`EngineConfig.async_scheduling`, kernel path only). The host work of a step (wait for
+the tokens, append them, detokenize, check stops, build outputs, plan, stage the inputs, launch the
+forward) is a large part of a decode step's GPU time; done in sequence, the GPU idles through all of it.
+So `step()` works one step ahead:
 
-    launch N (or find it in flight) -> plan and launch N+1 -> wait for N -> process N's tokens
+    launch N (or find it in flight) -> plan and launch N+1 with N in flight -> wait for N -> apply N
 
-N+1 is planned before N's tokens are known (`Scheduler.schedule_lookahead`), as the step that
-`schedule()` would return once N is applied, taking every sequence to go on: one that N samples for
-(a decode row, or a prompt N completes) decodes one token, its input token being N's sample, copied
-on the device in stream order before N+1's forward; one whose prompt N only partly computed takes its
-next chunk (ids known on the host); waiting requests are admitted as `schedule()` admits them, in
-order, under the same budget, `max_num_seqs` and block rules. To make that exact, the planner does
-first what applying N does to the pool: it registers the blocks N completes in the prefix cache
-(their token ids are on the host) and frees the blocks of sequences that N's token ends by length
-(those are left out of N+1). So pure decode, prefill and mixed steps all run ahead, and with every
-request queued up front and no value-based ends the steps are the ones planned in turn. It runs in
-turn instead when it cannot be exact: block copies pending or sequences swapped out, N forks (n > 1),
-a sequence would need preempting, a decode row wants penalties, a prompt chunk wants
-prompt logprobs, or a waiting request that could be admitted reuses the id of one in N.
-N+1's sampling rows count N's token (the random stream is keyed by the output position, so seeded
-results are the same as in turn). Sequences that N ends by value (EOS, a stop token or string) or
-that are aborted while N+1 runs simply have N+1's result ignored, and their blocks are freed at once.
-Freeing early is safe: there is one stream, so whatever a later step writes into a freed block lands
-after N and N+1 are done with it; and N+1 writes only slots past what N computed, in blocks the
-prefix cache does not hold (a block is offered to the cache only once every slot of it is computed),
-so they are private and nobody else reads them. If N+1's launch fails, or N fails on the device
-after N+1 was launched, the requests N+1 admitted go back to the front of the queue
-(`Scheduler.cancel_lookahead`) and are scheduled afresh. When the conditions fail, the step runs as
-before (launch, wait, process, schedule next call). The runner keeps two host result buffers,
-alternating between consecutive steps, and waits for a step's uploads (logit rows included) before
-rewriting the pinned staging buffers for the step after it.
+N+1 comes from the same `schedule()`, called with N in flight: N's tokens count as computed and its
+samples are placeholders whose values stay on the device; each row that decodes one is fed it in stream
+order before N+1's forward, and its sampling row counts it (the random stream is keyed by the output
+position, so seeded results are the same as in turn). When N+1 needs a value only the host will have,
+`schedule()` says so (None) and the step runs in turn instead: launch, wait, apply, plan the next call.
+Sequences that N ends by value (EOS, a stop token or string) or that are aborted while N+1 runs simply
+have N+1's result ignored, and their blocks are freed at once. Freeing early is safe: there is one
+stream, so whatever a later step writes into a freed block lands after N and N+1 are done with it; and
+N+1 writes only slots past what N computed, in blocks the prefix cache does not hold (a block is offered
+to the cache only once every slot of it is computed), so they are private and nobody else reads them. If
+N+1's launch fails, or N fails on the device after N+1 was launched, the requests N+1 admitted go back to
+the front of the queue (`Scheduler.cancel`) and are scheduled afresh. The CUDA runner keeps two host
+result buffers, alternating between consecutive steps, and waits for a step's uploads (logit rows
+included) before rewriting the pinned staging buffers for the step after it.
 """
 
 from __future__ import annotations
@@ -58,10 +47,10 @@ import torch
 from torch import nn
 
 from wllm.engine.config import EngineConfig, default_batched_tokens, engine_config_from_kwargs
-from wllm.engine.model_runner import ModelRunner, StepHandle, model_device
-from wllm.engine.request import RequestGroup, Sequence, SequenceStatus
-from wllm.engine.scheduler import Scheduler, SchedulerOutput
-from wllm.engine.stop_checker import TextState
+from wllm.engine.request import RequestGroup, SequenceStatus
+from wllm.engine.scheduler import Scheduler
+from wllm.engine.step_plan import StepPlan
+from wllm.engine.worker import StepHandle, Worker, model_device
 from wllm.outputs import CompletionOutput, ListPrefix, RequestOutput
 from wllm.sampling_params import SamplingParams
 
@@ -88,8 +77,7 @@ def freeze_startup_objects() -> None:
 
 
 # Python 3.14's collector is incremental: it has no full-heap generation-2 pause to move.
-# WLLM_GC_AT_LOOKAHEAD=0 leaves every collection where CPython's allocation counter puts it (A/B runs).
-_GENERATIONAL_GC = sys.version_info < (3, 14) and os.environ.get("WLLM_GC_AT_LOOKAHEAD", "1") != "0"
+_GENERATIONAL_GC = sys.version_info < (3, 14)
 
 
 def collect_garbage_if_due() -> bool:
@@ -156,18 +144,18 @@ class LLMEngine:
             sched = msgspec.structs.replace(sched, max_num_batched_tokens=default_batched_tokens(device.type, sms))
             self.config = msgspec.structs.replace(self.config, scheduler=sched)
         max_len = sched.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
-        self.runner = ModelRunner(model, self.config.cache, sched.max_num_batched_tokens, dtype,
-                                  max_num_seqs=sched.max_num_seqs, max_model_len=max_len,
-                                  enforce_eager=self.config.enforce_eager)
-        self.scheduler = Scheduler(sched, self.config.cache, self.runner.num_gpu_blocks,
-                                   self.runner.num_cpu_blocks, max_len, self.eos_token_ids)
+        self.worker = Worker(model, self.config.cache, sched.max_num_batched_tokens, dtype,
+                             max_num_seqs=sched.max_num_seqs, max_model_len=max_len,
+                             enforce_eager=self.config.enforce_eager)
+        self.scheduler = Scheduler(sched, self.config.cache, self.worker.num_gpu_blocks,
+                                   self.worker.num_cpu_blocks, max_len, self.eos_token_ids, tokenizer)
         self._rng = random.Random(self.config.seed)
         self.num_steps = 0
         self.model_source: str | None = None
         self.num_failed_steps = 0
         self.num_lookahead_steps = 0
-        # The lookahead step launched by the last `step()`, processed by the next one.
-        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        # The step launched with one in flight by the last `step()`, processed by the next one.
+        self._inflight: tuple[StepPlan, StepHandle] | None = None
         self.closed = False
         _open_engines.add(self)
         freeze_startup_objects()
@@ -191,7 +179,7 @@ class LLMEngine:
         self.closed = True
         _open_engines.discard(self)
         self.model = None
-        self.runner.close()
+        self.worker.close()
         # Frozen objects are out of the collector's reach: unfreeze so that cycles through this engine's
         # objects are found, then, while another engine runs, freeze again everything alive (as an engine
         # start does; this also undoes a freeze of the application's own when the last engine closes).
@@ -306,55 +294,53 @@ class LLMEngine:
         """Run one scheduling step; returns outputs of every request that changed.
 
         With async scheduling the step this call processes may have been launched by the call
-        before (a lookahead step); this call may in turn launch the next one before it waits.
+        before (planned with a step in flight); this call may in turn launch the next one before it waits.
         """
         self._check_open()
         outputs: list[RequestOutput] = []
         inflight, self._inflight = self._inflight, None
         if inflight is not None and not self._has_live_seqs(inflight[0]):
             # Every sequence of it ended (EOS, stop, abort) since it was launched: drop it unseen.
-            self.runner.release(inflight[1])
+            self.worker.release(inflight[1])
             inflight = None
         handle: StepHandle | None = None
         if inflight is None:
-            sched_out = self.scheduler.schedule()
-            if sched_out.is_empty:
+            plan = self.scheduler.schedule()
+            assert plan is not None  # nothing in flight: never a wait
+            if plan.is_empty:
                 return outputs
             self.num_steps += 1
         else:
-            sched_out, handle = inflight
-        ahead: tuple[SchedulerOutput, StepHandle] | None = None
+            plan, handle = inflight
+        ahead: tuple[StepPlan, StepHandle] | None = None
         try:
             if handle is None:
-                handle = self.runner.launch(sched_out)
-            if self.config.async_scheduling and self.runner.supports_lookahead:
-                ahead = self._launch_ahead(sched_out, handle)
+                handle = self.worker.launch(plan)
+            if self.config.async_scheduling and self.worker.supports_in_flight:
+                ahead = self._launch_ahead(plan, handle)
                 if ahead is not None:
                     # Two steps are queued on the device now: the best moment for a GC pause.
                     collect_garbage_if_due()
-            results = self.runner.collect(handle)
+            results = self.worker.collect(handle)
         except Exception as e:  # fail the requests of this step, keep serving the others
             logger.exception("engine step failed")
             # Nothing launched may still be reading host buffers when the next step writes them.
-            # The lookahead's sequences that are this step's fail below; those it admitted go back
+            # The next step's sequences that are this step's fail below; those it admitted go back
             # to the waiting queue, to be scheduled afresh.
             for launched in (handle, ahead[1] if ahead is not None else None):
                 if launched is not None:
                     with contextlib.suppress(Exception):
-                        self.runner.release(launched)
+                        self.worker.release(launched)
             if ahead is not None:
-                self.scheduler.cancel_lookahead(ahead[0])
+                self.scheduler.cancel(ahead[0])
             self.num_failed_steps += 1
             message = f"{type(e).__name__}: {e}"
-            for group in self.scheduler.fail_step(sched_out, message):
+            for group in self.scheduler.fail_step(plan, message):
                 outputs.append(self._make_output(group))
                 self.scheduler.pop_finished_group(group.request_id)
             return outputs
         self._inflight = ahead
-        changed = self.scheduler.update_from_output(sched_out, results)
-        if self.tokenizer is not None:
-            for seq in changed:
-                self._process_text(seq)
+        changed = self.scheduler.update_from_output(plan, results)
         # One output per request, in the order its first changed sequence came (dict keeps order).
         groups = {id(seq.group): seq.group for seq in changed}
         for group in groups.values():
@@ -366,49 +352,34 @@ class LLMEngine:
                 self.scheduler.pop_finished_group(group.request_id)
         return outputs
 
-    def _launch_ahead(self, sched_out: SchedulerOutput, handle: StepHandle,
-                      ) -> tuple[SchedulerOutput, StepHandle] | None:
-        """Plan and launch the step after `sched_out` (launched, not yet processed), if it can be
-        planned now; see the module docstring."""
-        next_out = self.scheduler.schedule_lookahead(sched_out)
-        if next_out is None:
+    def _launch_ahead(self, plan: StepPlan, handle: StepHandle) -> tuple[StepPlan, StepHandle] | None:
+        """Plan and launch the step after `plan` (launched, not yet applied), if it can be planned now;
+        see the module docstring."""
+        next_plan = self.scheduler.schedule(in_flight=plan)
+        if next_plan is None:
             return None
         try:
-            ahead = self.runner.launch(next_out, handle)
+            ahead = self.worker.launch(next_plan, handle)
         except Exception:
             # The step runs again from `schedule()` after this one: if it fails there too, it fails
             # its requests the usual way, with this step's tokens already delivered. Whatever part
             # of it was queued must finish before the host rewrites the buffers it reads.
             logger.warning("launching a step ahead failed; it will run in turn", exc_info=True)
-            self.runner.synchronize()
-            self.scheduler.cancel_lookahead(next_out)
+            self.worker.synchronize()
+            self.scheduler.cancel(next_plan)
             return None
         self.num_steps += 1
         self.num_lookahead_steps += 1
-        return next_out, ahead
+        return next_plan, ahead
 
-    def _has_live_seqs(self, out: SchedulerOutput) -> bool:
+    def _has_live_seqs(self, plan: StepPlan) -> bool:
         """Whether any sequence of a launched step still runs (and is the one it was launched for)."""
         seqs = self.scheduler.seqs
-        for sched in out.seqs:
-            seq = seqs.get(sched.seq_id)
-            if seq is not None and seq.status is SequenceStatus.RUNNING and seq.sampling_row is sched.sampling:
+        for row in plan.rows:
+            seq = seqs.get(row.seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING and seq.sampling_row is row.sampling:
                 return True
         return False
-
-    def _process_text(self, seq: Sequence) -> None:
-        if self.tokenizer is None:
-            return
-        if seq.text_state is None:
-            seq.text_state = TextState(self.tokenizer, seq.prompt_token_ids, seq.params, defer=seq.group.final_only)
-        token = seq.output_token_ids[-1]
-        stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        hit = seq.text_state.append(token, len(seq.output_token_ids), decode_token=not stopped_by_token)
-        if hit is not None:
-            # A stop string beats "length" when the same token completes both.
-            self.scheduler.finish_seq(seq, "stop", hit)
-        elif seq.is_finished:
-            seq.text_state.flush()
 
     def _make_output(self, group: RequestGroup) -> RequestOutput:
         finished = group.is_finished

@@ -11,70 +11,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 import time
 from collections import deque
-from collections.abc import Sequence as Seq
-
-import msgspec
+from typing import Any
 
 from wllm.engine.config import CacheConfig, SchedulerConfig
 from wllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from wllm.engine.request import QueueFullError, RequestGroup, Sequence, SequenceStatus
 from wllm.engine.sampler import SampledToken, SamplingRow
-from wllm.outputs import StepLogprobs
-
-# WLLM_MIXED_LOOKAHEAD=0 plans ahead only pure decode steps that admit nothing (as before mixed steps ran
-# ahead), for A/B runs of `schedule_lookahead`.
-MIXED_LOOKAHEAD = os.environ.get("WLLM_MIXED_LOOKAHEAD", "1") != "0"
-
-
-class ScheduledSeq(msgspec.Struct):
-    """One sequence's share of a step, as the model runner needs it."""
-
-    seq_id: str
-    token_ids: Seq[int]  # the tokens to compute this step: a tuple where it holds prompt tokens, else a list
-    start_pos: int  # position of token_ids[0] (= tokens already in the KV cache)
-    block_ids: list[int]  # the sequence's block table
-    num_samples: int  # tokens to sample after this chunk: 0 (mid-prompt), 1, or n at a fork
-    sampling: SamplingRow | None
-    prompt_logprobs: int | None = None  # top-N for prompt positions of this chunk
-    prompt_logprob_targets: list[int] = msgspec.field(default_factory=list)  # next token per position
-    prompt_logprob_start: int = 0  # position whose logits predict prompt_logprob_targets[0]
-
-
-class SchedulerOutput(msgspec.Struct):
-    seqs: list[ScheduledSeq]
-    blocks_to_copy: list[tuple[int, int]]  # (src, dst) GPU blocks, done first
-    blocks_to_swap_out: list[tuple[int, int]]  # (GPU block, CPU block), done second
-    blocks_to_swap_in: list[tuple[int, int]]  # (CPU block, GPU block), done third
-    num_batched_tokens: int
-    # A lookahead step (`Scheduler.schedule_lookahead`), launched before the previous step's results
-    # reached the host: per sequence, the sampling row of the previous step (rows numbered in
-    # `decode_first` order) whose token, still on the device, is this sequence's one input token, or
-    # -1 where the input tokens are in `token_ids`. None: a step planned after the previous one.
-    prev_rows: list[int] | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.seqs or self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)
-
-
-def decode_first_order(seqs: list[ScheduledSeq]) -> list[int] | None:
-    """The order in which the runner lays out a step's sequences (and so numbers its sampling rows):
-    single-token sequences first, then prompt chunks, each group in scheduled order, so attention
-    sends the first group to the decode kernel. None when that is the scheduled order already."""
-    single = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-    if not single or len(single) == len(seqs):
-        return None
-    return single + [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
-
-
-class SeqResult(msgspec.Struct):
-    """What the runner produced for one scheduled sequence."""
-
-    sampled: list[SampledToken]
-    prompt_logprobs: list[StepLogprobs] = msgspec.field(default_factory=list)
+from wllm.engine.step_plan import RowResult, StepPlan, StepRow
+from wllm.engine.stop_checker import StopChecker
 
 
 class WaitingQueue:
@@ -133,13 +79,16 @@ class Scheduler:
         num_cpu_blocks: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        tokenizer: Any | None = None,
     ) -> None:
+        """`tokenizer` (optional: without one no text is decoded) lets stop strings end sequences."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_gpu_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         # A sequence can never need more blocks than the pool has, so a lone sequence always fits.
         self.max_model_len = min(max_model_len, num_gpu_blocks * cache_config.block_size)
         self.eos_token_ids = list(eos_token_ids)
+        self.stops = StopChecker(self.eos_token_ids, self.max_model_len, tokenizer)
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))  # pop() yields 0, 1, ...
         self.waiting = WaitingQueue(scheduler_config.policy)
@@ -148,12 +97,12 @@ class Scheduler:
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
-        # The last lookahead step and the waiting sequences it admitted (with their prefix-cache
-        # hits), so that `cancel_lookahead` can put them back if that step never runs.
-        self._ahead: tuple[SchedulerOutput, list[tuple[Sequence, int]]] | None = None
-        # Why the last `schedule_lookahead` call that returned None refused (diagnostics, e.g.
-        # benchmarks/host_throughput.py); set only on refusals, so the planned path pays nothing.
-        self.lookahead_refusal = ""
+        # The last step planned with a step in flight and the waiting sequences it admitted (with their
+        # prefix-cache hits), so that `cancel` can put them back if that step never runs.
+        self._ahead: tuple[StepPlan, list[tuple[Sequence, int]]] | None = None
+        # Why the last `schedule(in_flight)` that returned None had to wait (diagnostics, e.g.
+        # benchmarks/host_throughput.py); set only then, so the planned path pays nothing.
+        self.wait_reason = ""
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
         self.num_prompt_tokens = 0  # prompt tokens computed (recomputation included)
@@ -243,37 +192,91 @@ class Scheduler:
             self.waiting.push(seq, front=True)
             self.num_preemptions_recompute += 1
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: StepPlan | None = None) -> StepPlan | None:
+        """The next step under one token budget: running sequences first (a decode token each, or the
+        next chunk of a prompt), preempting the least important when the pool runs dry, then swapped-out
+        ones, then waiting ones (`_admit_waiting`).
+
+        `in_flight`: a step launched whose results are not on the host yet (async scheduling). Its tokens
+        count as computed, and each of its samples is a placeholder token: the row that decodes it is fed
+        the value on the device (`StepRow.feed`) and its sampling row counts it as an output. Sequences its
+        token ends by length are left out (their blocks freed now, as applying it would free them); those
+        it ends by value (EOS, a stop token or string) or that are aborted meanwhile are planned, and their
+        result is dropped when applied. The blocks it completes are offered to the prefix cache before
+        admission, as applying it would. Returns None when the step needs what only the host will know
+        once `in_flight` is applied (`wait_reason` says what): block copies pending or sequences swapped
+        out, a fork in flight, a sequence that would need preempting, penalties on a placeholder (their
+        counts need its value), prompt logprobs (which positions a chunk reports depends on what the step
+        in flight reported), or a waiting request that reuses the id of one in flight (an aborted request's
+        id, taken again). The engine then plans again once `in_flight` is applied. Without `in_flight` it
+        never returns None.
+        """
+        ahead = in_flight is not None
+        feeds: dict[str, tuple[int, StepRow]] = {}
+        ended: set[str] = set()
+        if in_flight is not None:
+            if self._pending_copies or self.swapped or not self.running:
+                return self._wait("block copies pending" if self._pending_copies else
+                                  "sequences swapped out" if self.swapped else "nothing running")
+            reason = self._placeholders(in_flight, feeds, ended)
+            if reason:
+                return self._wait(reason)
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, tuple[Sequence, int]] = {}
+        scheduled: dict[str, tuple[Sequence, int, int, int]] = {}  # seq_id -> (sequence, start, tokens, feed)
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
-        copies, self._pending_copies = self._pending_copies, []
+        copies: list[tuple[int, int]] = []
+        if not ahead:
+            copies, self._pending_copies = self._pending_copies, []
 
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            start, total, feed = seq.num_computed_tokens, seq.num_tokens, -1
+            if ahead:
+                found = feeds.get(seq.seq_id)
+                if found is not None:
+                    r, row = found
+                    start += len(row.token_ids)
+                    if row.num_samples:
+                        if seq.seq_id in ended:
+                            i += 1
+                            continue
+                        total += 1
+                        feed = r
+            num_new = min(total - start, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(seq, num_new):
+            if ahead:
+                if feed < 0:
+                    if seq.group.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                        return self._wait("prompt logprobs")
+                elif seq.group.params.has_penalties:
+                    return self._wait("penalties")
+            # Slots up to `start` may be in flight already: allocate through this step's tokens.
+            while not self.kv.allocate_slots(seq, start - seq.num_computed_tokens + num_new):
+                if ahead:
+                    # Preempting needs the step in flight applied. The slots given so far are the ones
+                    # the plan made after it gives too.
+                    return self._wait("allocation failed (would preempt)")
                 victim = self._victim()
-                vi = self.running.index(victim)
+                vi = running.index(victim)
                 if victim.seq_id in scheduled:  # priority policy: undo its share of this step
-                    budget += scheduled.pop(victim.seq_id)[1]
+                    budget += scheduled.pop(victim.seq_id)[2]
                 self._preempt(victim, swap_out)
                 if victim is seq:
                     break
                 if vi < i:
                     i -= 1
             else:
-                scheduled[seq.seq_id] = (seq, num_new)
+                scheduled[seq.seq_id] = (seq, start, num_new, feed)
                 budget -= num_new
                 i += 1
 
-        if not swap_out:
-            while self.swapped and len(self.running) < self.config.max_num_seqs:
+        if not ahead and not swap_out:
+            while self.swapped and len(running) < self.config.max_num_seqs:
                 seq = self.swapped[0]
                 if len(seq.swapped_cpu_blocks) > self.kv.num_free_blocks:
                     break
@@ -285,19 +288,77 @@ class Scheduler:
                 self.cpu_free.extend(reversed(seq.swapped_cpu_blocks))
                 seq.swapped_cpu_blocks = []
                 seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
+                running.append(seq)
                 num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if num_new > 0 and self.kv.allocate_slots(seq, num_new):
-                    scheduled[seq.seq_id] = (seq, num_new)
+                    scheduled[seq.seq_id] = (seq, seq.num_computed_tokens, num_new, -1)
                     budget -= num_new
 
+        admitted: list[tuple[Sequence, int, int]] = []
         if not swap_out and not self.swapped:
-            admitted, budget = self._admit_waiting(budget, len(self.running))
+            num_running = len(running) - len(ended)
+            if ahead and budget > 0 and num_running < self.config.max_num_seqs and len(self.waiting):
+                # Every sequence the admission below could take (each takes at least one token).
+                for seq in self.waiting.first(min(self.config.max_num_seqs - num_running, budget)):
+                    if seq.seq_id in feeds or seq.group.prompt_logprobs is not None:
+                        return self._wait("a waiting id is in flight, or prompt logprobs")
+                if self.kv.enable_caching:
+                    self._register_in_flight(in_flight)
+            admitted, budget = self._admit_waiting(budget, num_running)
             for seq, num_new, _ in admitted:
-                scheduled[seq.seq_id] = (seq, num_new)
+                scheduled[seq.seq_id] = (seq, seq.num_computed_tokens, num_new, -1)
 
-        out = [self._scheduled_seq(seq, n) for seq, n in scheduled.values()]
-        return SchedulerOutput(out, copies, swap_out, swap_in, self.config.max_num_batched_tokens - budget)
+        rows = [self._row(seq, start, n, feed) for seq, start, n, feed in scheduled.values()]
+        if ahead and not rows:
+            return self._wait("nothing left to run")
+        plan = StepPlan.build(rows, copies, swap_out, swap_in, self.config.max_num_batched_tokens - budget,
+                              in_flight=ahead)
+        if ahead:
+            self._ahead = (plan, [(seq, num_hit) for seq, _, num_hit in admitted])
+        return plan
+
+    def _placeholders(self, in_flight: StepPlan, feeds: dict[str, tuple[int, StepRow]], ended: set[str]) -> str:
+        """Fill `feeds` (seq_id -> (its sampling row in `in_flight`, its row there)) and `ended` (sequences
+        that the step in flight ends by length) and free the blocks of the latter, as applying the step
+        will. Returns why the next step must wait instead ("" when it need not)."""
+        seqs = self.seqs
+        r = 0
+        for row in in_flight.rows:
+            feeds[row.seq_id] = (r, row)
+            k = row.num_samples
+            r += k
+            if not k:
+                continue
+            seq = seqs.get(row.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if k > 1 or row.sampling is not seq.sampling_row:
+                return "a fork in flight"  # its children exist only once the step is applied
+            if self.stops.ends_by_length(seq.group.params, len(seq.output_token_ids) + 1, seq.num_tokens + 1):
+                ended.add(row.seq_id)
+        for seq_id in ended:
+            seq = seqs[seq_id]
+            # Its blocks' KV is written by the step in flight: offered to the prefix cache, then freed.
+            self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(feeds[seq_id][1].token_ids))
+            self.kv.free(seq)
+        return ""
+
+    def _register_in_flight(self, in_flight: StepPlan) -> None:
+        """Offer the blocks the step in flight completes to the prefix cache before admitting, as applying
+        it would (their token ids are on the host). Safe before it has run: one stream orders its writes
+        before any later step's reads."""
+        seqs = self.seqs
+        for row in in_flight.rows:
+            seq = seqs.get(row.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING or \
+                    (row.sampling is not None and seq.sampling_row is not row.sampling):
+                continue
+            self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(row.token_ids))
+
+    def _wait(self, reason: str) -> None:
+        """`schedule`'s answer when the next step must wait for the step in flight: records why
+        (`wait_reason`, for diagnostics) and returns None."""
+        self.wait_reason = reason
 
     def _admit_waiting(self, budget: int, num_running: int) -> tuple[list[tuple[Sequence, int, int]], int]:
         """Admit waiting sequences in queue order while the budget, `max_num_seqs` (`num_running`
@@ -325,143 +386,11 @@ class Scheduler:
             budget -= num_new
         return admitted, budget
 
-    def schedule_lookahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
-        """The step that `schedule()` would return once `prev` (launched, not yet applied) is
-        applied, if it is known without prev's sampled token values; else None.
-
-        Every sequence is taken to go on after prev: one that prev samples for (a decode row, or a
-        prompt prev completes) decodes one token, its input token being prev's sample, still on the
-        device (`prev_rows`); one whose prompt prev only partly computed takes its next chunk; then
-        waiting sequences are admitted exactly as `schedule()` admits them. Sequences that prev's
-        token ends by length are left out (their blocks are freed now, as applying prev would free
-        them); those that prev ends by value (EOS, stop token or string) or that are aborted
-        meanwhile are in it, and their result is dropped. The blocks prev completes are offered to
-        the prefix cache now, as applying prev would, so admissions see the same hits.
-
-        None (the step is planned by `schedule()` after prev is applied) when that cannot be exact
-        or safe: block copies pending or sequences swapped out, prev forks a sequence (n > 1), a
-        sequence would need preempting, a decode row wants penalties (their counts need prev's token
-        value on the host), a sequence wants prompt logprobs, or a waiting sequence that could be
-        admitted reuses the id of one in prev (an aborted request's id, taken again).
-        """
-        if self._pending_copies or self.swapped or not self.running:
-            return self._refuse("block copies pending" if self._pending_copies else
-                                "sequences swapped out" if self.swapped else "nothing running")
-        # prev's sequences, and their sampling rows numbered as the runner lays them out
-        # (`decode_first_order`: single-token sequences first, then the others, each in order).
-        in_prev: dict[str, tuple[int, ScheduledSeq]] = {}
-        chunks: list[ScheduledSeq] = []
-        row = 0
-        for sched in prev.seqs:
-            if len(sched.token_ids) == 1:
-                in_prev[sched.seq_id] = (row, sched)
-                row += sched.num_samples
-            else:
-                chunks.append(sched)
-        if not MIXED_LOOKAHEAD and (chunks or self.waiting):
-            return self._refuse("mixed lookahead off")
-        for sched in chunks:
-            in_prev[sched.seq_id] = (row, sched)
-            row += sched.num_samples
-        # Plan without changing anything: (sequence, computed tokens once prev is applied, tokens
-        # this step, prev's row of its input token or -1), in `schedule()`'s order.
-        budget = self.config.max_num_batched_tokens
-        max_seqs = self.config.max_num_seqs
-        max_len = self.max_model_len
-        num_running = 0
-        ended: set[str] = set()
-        plan: list[tuple[Sequence, int, int, int]] = []
-        for seq in self.running:
-            computed, total, prev_row = seq.num_computed_tokens, seq.num_tokens, -1
-            p = seq.group.params
-            found = in_prev.get(seq.seq_id)
-            if found is not None:
-                r, sched = found
-                computed += len(sched.token_ids)
-                if sched.num_samples:
-                    if sched.num_samples > 1 or sched.sampling is not seq.sampling_row:
-                        # a fork: its children exist only once prev is applied
-                        return self._refuse("prev forks a sequence")
-                    if (p.max_tokens is not None and len(seq.output_token_ids) + 1 >= p.max_tokens) or \
-                            total + 1 >= max_len:
-                        ended.add(seq.seq_id)  # prev's token ends it ("length")
-                        continue
-                    total += 1
-                    prev_row = r
-            num_running += 1
-            if budget <= 0:
-                continue
-            num_new = min(total - computed, budget)
-            if num_new <= 0:
-                continue
-            if prev_row < 0:
-                if seq.group.prompt_logprobs is not None and computed < seq.num_prompt_tokens:
-                    # which positions it reports depends on prev's prompt logprobs
-                    return self._refuse("prompt logprobs")
-            elif p.has_penalties:
-                return self._refuse("penalties")  # their counts need prev's token on the host
-            plan.append((seq, computed, num_new, prev_row))
-            budget -= num_new
-        may_admit = budget > 0 and num_running < max_seqs and len(self.waiting) > 0
-        if may_admit:
-            # Every sequence the admission below could take (each takes at least one token).
-            for seq in self.waiting.first(min(max_seqs - num_running, budget)):
-                if seq.seq_id in in_prev or seq.group.prompt_logprobs is not None:
-                    return self._refuse("a waiting id is in prev, or prompt logprobs")
-
-        # Apply what applying prev does to the pool, in prev's order: register the blocks it
-        # completes (only admissions look them up; applying prev registers them otherwise, but not
-        # for a sequence whose blocks are freed here), free the blocks of the sequences its token
-        # ends by length. Safe before prev has run: one stream orders prev's reads and writes of
-        # those blocks before any later step's.
-        register = may_admit and self.kv.enable_caching
-        if register or ended:
-            seqs = self.seqs
-            for sched in prev.seqs:
-                seq = seqs.get(sched.seq_id)
-                if seq is None or seq.status is not SequenceStatus.RUNNING or \
-                        (sched.sampling is not None and seq.sampling_row is not sched.sampling):
-                    continue
-                end = sched.seq_id in ended
-                if register or end:
-                    self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(sched.token_ids))
-                if end:
-                    self.kv.free(seq)
-        out: list[ScheduledSeq] = []
-        prev_rows: list[int] = []
-        allocate = self.kv.allocate_slots
-        for seq, computed, num_new, prev_row in plan:
-            if not allocate(seq, computed - seq.num_computed_tokens + num_new):
-                # schedule() would preempt. The slots given so far are the ones it gives too.
-                return self._refuse("allocation failed (would preempt)")
-            if prev_row >= 0:
-                # Token 0 stands in for prev's sample: the runner overwrites it on the device.
-                out.append(ScheduledSeq(seq.seq_id, [0], computed, seq.block_ids, 1, seq.sampling_row))
-            else:
-                out.append(self._scheduled_seq(seq, num_new, computed))
-            prev_rows.append(prev_row)
-        admitted: list[tuple[Sequence, int, int]] = []
-        if budget > 0:
-            admitted, budget = self._admit_waiting(budget, num_running)
-        for seq, num_new, _ in admitted:
-            out.append(self._scheduled_seq(seq, num_new))
-            prev_rows.append(-1)
-        if not out:
-            return self._refuse("nothing left to run")
-        next_out = SchedulerOutput(out, [], [], [], self.config.max_num_batched_tokens - budget,
-                                   prev_rows=prev_rows)
-        self._ahead = (next_out, [(seq, num_hit) for seq, _, num_hit in admitted])
-        return next_out
-
-    def _refuse(self, reason: str) -> None:
-        """`schedule_lookahead`'s refusal: records why (`lookahead_refusal`) and returns None."""
-        self.lookahead_refusal = reason
-
-    def cancel_lookahead(self, out: SchedulerOutput) -> None:
-        """A lookahead step will not run (its launch failed, or the step before it failed): put the
-        sequences it admitted back at the front of the waiting queue, as if never admitted. The
-        slots it gave running sequences stay theirs; `schedule()` finds them allocated."""
-        if self._ahead is None or self._ahead[0] is not out:
+    def cancel(self, plan: StepPlan) -> None:
+        """A step planned with a step in flight will not run (its launch failed, or the step before it
+        failed): put the sequences it admitted back at the front of the waiting queue, as if never
+        admitted. The slots it gave running sequences stay theirs; `schedule()` finds them allocated."""
+        if self._ahead is None or self._ahead[0] is not plan:
             return
         _, admitted = self._ahead
         self._ahead = None
@@ -475,10 +404,12 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.push(seq, front=True)
 
-    def _scheduled_seq(self, seq: Sequence, num_new: int, start: int | None = None) -> ScheduledSeq:
-        """`num_new` tokens of `seq` from position `start` (default: its computed tokens)."""
-        if start is None:
-            start = seq.num_computed_tokens
+    def _row(self, seq: Sequence, start: int, num_new: int, feed: int = -1) -> StepRow:
+        """`num_new` tokens of `seq` from position `start`; `feed` >= 0: one token, the placeholder sampled
+        by that row of the step in flight."""
+        if feed >= 0:
+            # Token 0 stands in for the placeholder: the runner overwrites it on the device.
+            return StepRow(seq.seq_id, [0], start, seq.block_ids, 1, seq.sampling_row, feed=feed)
         end = start + num_new
         num_samples = 0
         if end == seq.num_tokens:
@@ -501,17 +432,17 @@ class Scheduler:
             if sampling is None:
                 sampling = seq.sampling_row = SamplingRow(group.params, group.seed, seq.index, seq.prompt_token_ids,
                                                           seq.output_token_ids, self.eos_token_ids)
-        return ScheduledSeq(seq.seq_id, seq.token_ids(start, end), start, seq.block_ids,
-                            num_samples, sampling, top, targets, first)
+        return StepRow(seq.seq_id, seq.token_ids(start, end), start, seq.block_ids,
+                       num_samples, sampling, top, targets, first)
 
     # ------------------------------------------------------------------------------------ update
-    def update_from_output(self, out: SchedulerOutput, results: dict[str, SeqResult]) -> list[Sequence]:
+    def update_from_output(self, out: StepPlan, results: dict[str, RowResult]) -> list[Sequence]:
         """Advance sequences by the step's results; returns sequences that got a new token."""
         changed: list[Sequence] = []
         now = time.monotonic()
         if self._ahead is not None and self._ahead[0] is out:
             self._ahead = None
-        for sched in out.seqs:
+        for sched in out.rows:
             seq = self.seqs.get(sched.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
@@ -549,7 +480,9 @@ class Scheduler:
         if seq.logprobs is not None and tok.logprobs is not None:
             seq.logprobs.append(tok.logprobs)
         self.num_generation_tokens += 1
-        self._check_stop(seq)
+        stop = self.stops.check(seq)
+        if stop is not None:
+            self.finish_seq(seq, *stop)
 
     def _fork(self, parent: Sequence, tokens: list[SampledToken]) -> list[Sequence]:
         group = parent.group
@@ -573,23 +506,12 @@ class Scheduler:
             children.append(child)
         return children
 
-    def _check_stop(self, seq: Sequence) -> None:
-        p = seq.params
-        token = seq.output_token_ids[-1]
-        n_out = len(seq.output_token_ids)
-        if not p.ignore_eos and token in self.eos_token_ids and n_out >= p.min_tokens:
-            self.finish_seq(seq, "stop", None)
-        elif token in p.stop_token_ids:
-            self.finish_seq(seq, "stop", token)
-        elif (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            self.finish_seq(seq, "length")
-
-    def fail_step(self, out: SchedulerOutput, message: str) -> list[RequestGroup]:
+    def fail_step(self, out: StepPlan, message: str) -> list[RequestGroup]:
         """A step raised: finish every request it touched with an error and drop their cached
         blocks, whose content may be partial."""
         failed: dict[str, RequestGroup] = {}
         bs = self.block_size
-        for sched in out.seqs:
+        for sched in out.rows:
             # The blocks the step wrote, by id: a sequence the step ends by length may have given
             # them back already (`schedule_lookahead`), registered in the prefix cache.
             self.kv.uncache_ids(sched.block_ids[sched.start_pos // bs:cdiv(sched.start_pos + len(sched.token_ids), bs)])

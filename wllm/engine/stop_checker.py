@@ -87,3 +87,50 @@ class TextState:
                     hold = k
                     break
         return text[: len(text) - hold] if hold else text
+
+
+class StopChecker:
+    """The one place that decides whether a sequence stops after its newest token, and why.
+
+    In order: EOS ("stop", unless `ignore_eos` or fewer than `min_tokens` outputs), a stop token id
+    ("stop", the id), the length limit ("length": `max_tokens` outputs or `max_model_len` tokens). Then,
+    with a tokenizer, the token's text is decoded and a stop string that now matches wins over any of
+    those ("stop", the string: the text is cut at it). EOS and stop token ids add no text.
+    """
+
+    def __init__(self, eos_token_ids: Sequence[int], max_model_len: int, tokenizer: Any | None = None) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+
+    def ends_by_length(self, params: SamplingParams, num_outputs: int, num_tokens: int) -> bool:
+        """Whether a sequence of `num_outputs` generated and `num_tokens` tokens in all is at its length
+        limit (also asked, ahead of time, about a token still in flight)."""
+        return (params.max_tokens is not None and num_outputs >= params.max_tokens) or \
+            num_tokens >= self.max_model_len
+
+    def check(self, seq: Any) -> tuple[str, str | int | None] | None:
+        """(finish reason, stop reason) once `seq` (a `wllm.engine.request.Sequence`) has appended its
+        newest token, or None while it goes on. Keeps the sequence's text state (`seq.text_state`)."""
+        p = seq.params
+        outputs = seq.output_token_ids
+        token = outputs[-1]
+        n_out = len(outputs)
+        found: tuple[str, str | int | None] | None = None
+        if not p.ignore_eos and token in self.eos_token_ids and n_out >= p.min_tokens:
+            found = ("stop", None)
+        elif token in p.stop_token_ids:
+            found = ("stop", token)
+        elif self.ends_by_length(p, n_out, seq.num_tokens):
+            found = ("length", None)
+        if self.tokenizer is None:
+            return found
+        state = seq.text_state
+        if state is None:
+            state = seq.text_state = TextState(self.tokenizer, seq.prompt_token_ids, p, defer=seq.group.final_only)
+        hit = state.append(token, n_out, decode_token=found is None or found[0] != "stop")
+        if hit is not None:
+            return ("stop", hit)
+        if found is not None:
+            state.flush()
+        return found

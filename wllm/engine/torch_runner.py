@@ -1,0 +1,81 @@
+"""The PyTorch step runner: any device, any model, the reference the CUDA path is tested against.
+
+It turns a `StepPlan` into flattened `input_ids[T]`, `positions[T]` and a `PagedAttentionContext`, runs
+the forward pass, computes logits only for the rows the plan names (sampled rows and prompt positions
+whose logprobs were asked for) and samples with the PyTorch `Sampler`, all before `launch` returns.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from wllm.engine.paged_attention import PagedAttentionContext
+from wllm.engine.sampler import Sampler, prompt_logprobs
+from wllm.engine.step_plan import RowResult, StepPlan
+
+
+class TorchStepRunner:
+    """Runs steps synchronously in PyTorch over the paged KV cache `kv_cache`."""
+
+    supports_in_flight = False  # every step's tokens are on the host when `launch` returns
+
+    def __init__(self, model: nn.Module, kv_cache: torch.Tensor) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.sampler = Sampler()
+
+    @staticmethod
+    def profile_forward(model: nn.Module, scratch: torch.Tensor, num_tokens: int, num_rows: int,
+                        max_model_len: int) -> None:
+        """The largest step's forward and logits over a scratch cache, for memory profiling."""
+        device = scratch.device
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        positions = torch.arange(num_tokens, device=device) % max_model_len
+        ctx = PagedAttentionContext(scratch, [list(range(scratch.shape[2]))], [0], [num_tokens])
+        hidden = model(ids, positions, ctx)
+        model.compute_logits(hidden[-num_rows:])
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, prev: object = None) -> dict[str, RowResult]:
+        """Run the step; the handle is its results."""
+        if plan.in_flight:
+            raise ValueError("a step planned with a step in flight needs a runner with supports_in_flight")
+        if not plan.rows:
+            return {}
+        ids: list[int] = []
+        positions: list[int] = []
+        for r in plan.rows:
+            ids.extend(r.token_ids)
+            positions.extend(range(r.start_pos, r.start_pos + len(r.token_ids)))
+        device = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        rows = plan.rows
+        ctx = PagedAttentionContext(self.kv_cache, [r.block_ids for r in rows], [r.start_pos for r in rows],
+                                    [len(r.token_ids) for r in rows])
+        hidden = self.model(input_ids, pos, ctx)
+        num_prompt = len(plan.prompt_tokens)
+        logit_rows = torch.tensor(plan.prompt_tokens + plan.sample_tokens, dtype=torch.long, device=device)
+        logits = self.model.compute_logits(hidden[logit_rows])
+
+        results = {r.seq_id: RowResult([]) for r in rows}
+        p = 0
+        for r in rows:
+            n = len(r.prompt_logprob_targets)
+            if n:
+                results[r.seq_id].prompt_logprobs = prompt_logprobs(logits[p:p + n], r.prompt_logprob_targets,
+                                                                    r.prompt_logprobs or 0)
+                p += n
+        if plan.samples:
+            sampled = self.sampler(logits[num_prompt:], plan.samples)
+            for owner, tok in zip(plan.sample_owners, sampled):
+                results[owner].sampled.append(tok)
+        return results
+
+    def collect(self, handle: dict[str, RowResult]) -> dict[str, RowResult]:
+        return handle
+
+    def release(self, handle: dict[str, RowResult]) -> None:
+        """Nothing runs on after `launch` here."""
