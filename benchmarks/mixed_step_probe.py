@@ -50,7 +50,7 @@ def main() -> None:
               max_model_len=top + 1024, max_num_seqs=max(args.decode) + 1)
     engine = llm.engine
     runner = engine.worker.runner
-    if runner is None:
+    if not engine.worker.use_cuda_kernels:
         sys.exit("mixed_step_probe: needs the CUDA kernel path (a GPU and the wllm kernels)")
     g = torch.Generator().manual_seed(0)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
