@@ -1,4 +1,5 @@
-"""The README's Quick start has exactly two commands, and CI runs the test one verbatim."""
+"""The README's Quick start has exactly two commands, and CI runs the test one verbatim; the README stays
+short, and the relative links of the README and docs/ resolve."""
 
 from __future__ import annotations
 
@@ -25,3 +26,24 @@ def test_quick_start_has_two_commands() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert _quick_start_commands()[1] in ci
+
+
+def _relative_links(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    return [link for link in re.findall(r"\]\(([^)\s]+)\)", text) if not link.startswith(("http://", "https://"))]
+
+
+def test_readme_stays_short() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; internals belong in docs/"
+
+
+def test_readme_and_docs_links_resolve() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for link in _relative_links(page):
+            target = link.split("#", 1)[0]
+            if target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {link}")
+    assert not broken, broken
