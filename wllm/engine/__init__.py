@@ -1,5 +1,5 @@
-"""The engine core: paged KV cache with prefix caching, one-budget scheduler, model runner,
-sampler, and the synchronous (`LLMEngine`) and asyncio (`AsyncEngine`) fronts."""
+"""The engine core: paged KV cache with prefix caching, one-budget scheduler, step plan, worker, step
+runners, samplers, and the synchronous (`LLMEngine`) and asyncio (`AsyncEngine`) fronts."""
 
 from wllm.engine.async_engine import AsyncEngine, EngineDeadError
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig, engine_config_from_kwargs

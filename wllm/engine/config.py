@@ -81,9 +81,8 @@ def default_batched_tokens(device_type: str, sm_count: int | None = None) -> int
     Why whole multiples of 64 rows per SM: a full prefill step's GEMMs have M = the budget, and
     cuBLAS cuts M into 128- or 256-row tiles; with M = 64 x SMs that is SMs / 2 (or SMs / 4) row
     tiles, so every projection with an even (or multiple-of-4) count of column tiles fills whole
-    waves of the SMs instead of leaving a part-empty last wave. Measured on the H200 (132 SMs,
-    Llama-3.1-8B shape, 256 x (512 + 128) batch): 8448 tokens 4.51-4.53 s, 8192 4.555-4.565 s,
-    8704 4.58-4.60 s, 9984 4.557 s (benchmarks/RESULTS.md, session 16).
+    waves of the SMs instead of leaving a part-empty last wave (benchmarks/RESULTS.md has the budget
+    sweep on the H200).
     """
     if device_type != "cuda":
         return 2048

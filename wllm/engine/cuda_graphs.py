@@ -5,7 +5,7 @@ multiples of 8 up to max_num_seqs); padding rows write their K/V to slot -1 (ski
 context length of 0 (zero attention output), and are greedy, so they cost a little compute and
 nothing else. Short prefill and mixed steps (up to PREFILL_GRAPH_MAX_TOKENS tokens) are padded the
 same way to a captured (tokens, sequences) shape: eagerly, such a step costs the host more time than
-the GPU (~0.25 ms of Python and launches per layer), so a slow or busy host CPU set its speed. In
+the GPU (Python and a launch per kernel for every layer), so a slow or busy host CPU would set its speed. In
 them the single-token rows (a mixed step's decode rows, laid out first) take the decode kernel, with
 its split-KV for long contexts, and the prompt chunks the prefill kernel; which rows are which is
 worked out on the device from the staged query offsets, so one graph serves any mix. Steps without decode
@@ -50,7 +50,7 @@ _WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
 def _warmup_stream(device: torch.device | None) -> torch.cuda.Stream:
     """The one side stream of `device` that every capture's warm-up run uses. cuBLAS keeps a workspace
     (32 MiB on Hopper) for each stream it has run on, for the life of the process, and new streams cycle
-    through torch's pool of 32: a stream per graph left ~1 GiB allocated (H200), outside the memory the
+    through torch's pool of 32: a stream per graph left about a GiB allocated, outside the memory the
     KV cache was sized against and still held after the engine was dropped."""
     with torch.cuda.device(device):
         index = torch.cuda.current_device()

@@ -81,7 +81,7 @@ class StageLayout:
 
 class PackedStage:
     """One pinned host byte buffer and its device twin: a step writes all its inputs into the host
-    bytes and sends them with ONE copy (each copy costs the host ~10 us on CUDA). Layouts are cached
+    bytes and sends them with ONE copy (each copy costs the host a launch on CUDA). Layouts are cached
     per shape, so the device views a CUDA graph captured stay the ones later steps of its size fill."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
@@ -271,7 +271,7 @@ class CudaStepRunner:
         # pinned fp64 [2, B] per (size, parity), and whether the result kernel may write it in place
         self._host_graph_out: dict[tuple[int, int], tuple[torch.Tensor, bool]] = {}
         # Decode-sized steps move their inputs and sampled ids with a small kernel instead of copy-engine
-        # transfers (each leaves the GPU idle ~9 us on both sides, per step), where pinned memory is mapped.
+        # transfers (each leaves the GPU idle on both sides, per step), where pinned memory is mapped.
         self._zero_copy = on_cuda and host_mapped(self.inputs.stage.host)
         self.num_graph_steps = 0  # decode steps replayed
         self.num_prefill_graph_steps = 0

@@ -69,8 +69,8 @@ _open_engines: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 def freeze_startup_objects() -> None:
     """Move every object alive now (imported libraries, the model's modules, graphs: the ~0.25-1M
     objects of a loaded engine) out of the cyclic garbage collector's reach. A full collection scans
-    every tracked object; with them it took ~100 ms on a CI-class CPU and ~220 ms on the H200's host,
-    twice per offline batch of 256 requests, each a stall the GPU waited through. Frozen objects are
+    every tracked object, so with them each one is a long stall the GPU waits through (an offline batch
+    of a few hundred requests triggers several; RESULTS.md has the numbers). Frozen objects are
     still freed by reference counting; garbage cycles are collected first so that none is pinned."""
     gc.collect()
     gc.freeze()
@@ -86,10 +86,9 @@ def collect_garbage_if_due() -> bool:
     step was launched ahead, before waiting for the one before it), so that the pause overlaps GPU work.
 
     Why: after `freeze_startup_objects`, a full collection still walks every live container the running
-    requests hold. It walked ~0.5-0.9M list items of token ids in an offline batch of 256 x 640 tokens
-    (5-15 ms on a CI-class CPU, ~40 ms on the H200's host, two or three times per batch); the engine now
-    keeps prompts in tuples and frees finished requests without the collector (see wllm.engine.request),
-    which leaves ~0.1M references of its own (plus the caller's prompt lists). Left to the allocation
+    requests hold: in an offline batch, mostly the token-id lists. The engine keeps prompts in tuples and
+    frees finished requests without the collector (see wllm.engine.request), which leaves few references
+    of its own (plus the caller's prompt lists), but a pass still takes milliseconds. Left to the allocation
     counter, a collection lands anywhere in the step, e.g. while the host processes step N with only N+1
     queued, and the GPU idles for the rest of it. Here it overlaps the rest of step N plus all of N+1.
 
