@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A before/after A/B of two source trees on one GPU machine, rounds alternating between the trees:
 #   bash benchmarks/ab_trees.sh BEFORE_DIR AFTER_DIR ROUNDS PART [PART ...]
-# PART: digest (benchmarks/outputs_digest.py on both shapes), latency, prefill, throughput (`wllm bench`,
+# PART: digest (benchmarks/outputs_digest.py on $DIGEST_SHAPES, default both shapes), latency, prefill, throughput (`wllm bench`,
 # no HF). Each tree runs with its own kernel library (DIR/wllm/_lib) and PYTHONPATH=/tmp/site:DIR (the
 # dependency wheels device_run.sh installs). JSON and logs go to $OUT; a table of every number is last.
 set -uo pipefail
@@ -16,7 +16,7 @@ for part in "$@"; do
       env=(env PYTHONPATH="/tmp/site:$dir")
       case $part in
         digest)
-          for shape in qwen2.5-0.5b llama-3.1-8b; do
+          for shape in ${DIGEST_SHAPES:-qwen2.5-0.5b llama-3.1-8b}; do
             (cd "$dir" && "${env[@]}" python3 benchmarks/outputs_digest.py --shape "$shape" --device cuda 2>&1 \
               | grep '^outputs_digest' | sed "s/^/$tree /") | tee -a "$out/digest.txt"
           done ;;
