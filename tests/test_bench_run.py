@@ -66,7 +66,7 @@ def test_latency_skip_hf(tiny_shape: Path, tmp_path: Path, capsys: pytest.Captur
     assert 1 < r.wllm < 1e6
     stats = shape_stats(resolve_shape(str(tiny_shape)), "float32")
     assert r.floor == pytest.approx(floors.decode_floor_tok_s(stats, 12, 10))
-    assert r.target is None and r.status == "-"  # not the standard shape or workload
+    assert "target" not in printed and "PASS" not in printed
     assert "| latency" in printed.splitlines()[-2]  # the table comes last (then "wrote ...")
 
 

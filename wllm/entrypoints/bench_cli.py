@@ -2,9 +2,9 @@
 
 Random weights in real model shapes (`load_format="dummy"`), so nothing is downloaded. Each run
 prints, per shape, wLLM's number, HF transformers' number measured in the same process, the
-hardware floor (H200: 4,232 GB/s, 758 bf16 TFLOP/s unless overridden), the fraction of the floor
-reached and the issue's target with PASS/MISS, then a table. `report` merges JSON files from
-earlier runs into one table and chart (e.g. on a machine that has matplotlib).
+hardware floor (H200: 4,232 GB/s, 758 bf16 TFLOP/s unless overridden) and the fraction of the
+floor reached, then a table. `report` merges JSON files from earlier runs into one table and
+chart (e.g. on a machine that has matplotlib).
 
     wllm bench latency                       # batch-1 decode, qwen2.5-0.5b and llama-3.1-8b
     wllm bench prefill                       # one 512-token prompt, llama-3.1-8b
