@@ -184,13 +184,13 @@ def test_cli_parses_each_benchmark() -> None:
     assert cfg.skip_hf
     a = parser.parse_args(["bench", "throughput", "--shape", "qwen3-8b", "--hf-max-requests", "32",
                            "--engine-arg", "max_num_batched_tokens=8192", "--engine-arg", "enable_prefix_caching=false",
-                           "--bandwidth-gbs", "3350", "--json", "t.json", "--chart", "t.png"])
+                           "--bandwidth-gbs", "3350", "--json", "t.json", "--chart", "t.png", "--commit", "abc1234"])
     cfg = bench_cli.build_config(a)
     assert cfg.shapes == ["qwen3-8b"] and cfg.hf_max_requests == 32
     assert (cfg.num_requests, cfg.prompt_len, cfg.output_len) == (256, 512, 128)
     assert cfg.engine.engine_args == {"max_num_batched_tokens": 8192, "enable_prefix_caching": False}
     assert cfg.hardware.bandwidth == 3350e9 and cfg.hardware.flops == H200.flops
-    assert a.json == "t.json" and a.chart == "t.png"
+    assert a.json == "t.json" and a.chart == "t.png" and cfg.commit == "abc1234"
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "latency", "--runs", "0"])
     with pytest.raises(SystemExit):

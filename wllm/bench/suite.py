@@ -7,7 +7,6 @@ little room for a second copy), so wLLM runs first and HF gets the memory afterw
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import statistics
 import subprocess
@@ -53,6 +52,7 @@ class BenchConfig:
     hf_max_tokens: int = 64
     hardware: Hardware = H200
     engine: EngineOptions = field(default_factory=EngineOptions)
+    commit: str | None = None  # recorded in the JSON; None: asked of git
     log: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
 
 
@@ -224,10 +224,8 @@ def device_name(device: torch.device) -> str:
 
 
 def git_commit() -> str:
-    """The short commit of the source tree wllm runs from ($WLLM_COMMIT wins: copies of the tree
-    without .git, such as the GPU machine's, pass it in), or 'unknown' for an installed wheel."""
-    if os.environ.get("WLLM_COMMIT"):
-        return os.environ["WLLM_COMMIT"]
+    """The short commit of the source tree wllm runs from, or 'unknown' (an installed wheel, or a
+    copy of the tree without .git: pass `--commit` there)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=10)
@@ -245,7 +243,7 @@ def run_meta(cfg: BenchConfig, bench: str) -> dict[str, Any]:
         "benchmark": bench,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
-        "commit": git_commit(),
+        "commit": cfg.commit or git_commit(),
         "wllm": __version__,
         "torch": torch.__version__,
         "dtype": cfg.engine.dtype,

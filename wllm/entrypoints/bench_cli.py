@@ -88,6 +88,8 @@ def _add_bench(sub: Any, name: str) -> None:
     p.add_argument("--tflops", type=float, default=None, help="floor bf16 TFLOP/s (default H200 758)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--chart", default=None, metavar="FILE.png", help="draw a bar chart (needs matplotlib)")
+    p.add_argument("--commit", default=None, metavar="REV",
+                   help="source commit recorded with the results (default: asked of git, else 'unknown')")
     p.set_defaults(func=run, bench=name)
 
 
@@ -138,6 +140,7 @@ def build_config(args: argparse.Namespace) -> Any:
         hf_max_tokens=getattr(args, "hf_max_tokens", 64),
         hardware=hw,
         engine=engine,
+        commit=args.commit,
     )
 
 
