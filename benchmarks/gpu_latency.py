@@ -3,7 +3,8 @@ and llama-3.1-8b shapes in bf16: wLLM, HF transformers eager generate, the bandw
 
 A thin wrapper of `wllm bench latency`; every option of that command works here. When the
 environment variable OUT names a folder (the GPU machine's result folder) and --json is not
-given, the results are also written to $OUT/bench_latency.json.
+given, the results are also written to $OUT/bench_latency.json; WLLM_COMMIT (set by
+build_tools/device_run.sh, whose copy of the tree has no .git) becomes --commit.
 
     python benchmarks/gpu_latency.py [--skip-hf] [--json FILE] [--chart FILE.png] [--help]
 """
@@ -22,4 +23,6 @@ if __name__ == "__main__":
     argv = ["latency", *sys.argv[1:]]
     if os.environ.get("OUT") and "--json" not in argv:
         argv += ["--json", str(Path(os.environ["OUT"]) / "bench_latency.json")]
+    if os.environ.get("WLLM_COMMIT") and "--commit" not in argv:
+        argv += ["--commit", os.environ["WLLM_COMMIT"]]
     sys.exit(main(argv))

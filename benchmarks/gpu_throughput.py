@@ -4,7 +4,8 @@ transformers generate_batch (capped by --hf-max-requests and extrapolated), the 
 
 A thin wrapper of `wllm bench throughput`; every option of that command works here. When the
 environment variable OUT names a folder (the GPU machine's result folder) and --json is not
-given, the results are also written to $OUT/bench_throughput.json.
+given, the results are also written to $OUT/bench_throughput.json; WLLM_COMMIT (set by
+build_tools/device_run.sh, whose copy of the tree has no .git) becomes --commit.
 
     python benchmarks/gpu_throughput.py [--skip-hf] [--json FILE] [--chart FILE.png] [--help]
 """
@@ -23,4 +24,6 @@ if __name__ == "__main__":
     argv = ["throughput", *sys.argv[1:]]
     if os.environ.get("OUT") and "--json" not in argv:
         argv += ["--json", str(Path(os.environ["OUT"]) / "bench_throughput.json")]
+    if os.environ.get("WLLM_COMMIT") and "--commit" not in argv:
+        argv += ["--commit", os.environ["WLLM_COMMIT"]]
     sys.exit(main(argv))

@@ -7,9 +7,9 @@ end-to-end latency, output tokens/s and requests/s, as the client processes see 
 wLLM server's `/metrics` read before and after the level, the server's own TTFT (from the request
 reaching it to its first token) and inter-token p50/p95, as the upper bounds of their histogram
 buckets. Where the two part, the time goes to the connection or to the client: one asyncio process
-reading dozens of streams is the bottleneck itself (H200, 0.5B shape, 64 clients: TTFT p95 2.5 s and 4.7k
-output tok/s from one process, 135-189 ms and 10.5-12.2k tok/s from eight), so a level's clients are spread
-over `--procs N` processes, by default half this machine's CPUs (at most 8).
+reading dozens of streams is the bottleneck itself (it sees a far longer TTFT and a fraction of the
+tokens/s that several processes see against the same server; benchmarks/RESULTS.md), so a level's
+clients are spread over `--procs N` processes, by default half this machine's CPUs (at most 8).
 
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000/v1
     python benchmarks/serve_load.py --spawn "--load-format dummy qwen2.5-0.5b --tokenizer ..." --levels 1,8,64

@@ -15,10 +15,11 @@ class ListPrefix(Sequence[T]):
     """The first `n` items of a list that only ever grows at its end, without copying them.
 
     A running request's outputs carry their cumulative token ids and logprobs this way: copying the
-    whole lists for every stream at every step would cost O(length) per step (2.5 ms a step for 256
-    streams of 2,000 tokens with logprobs). Indexing, `len`, iteration and comparison work as on a
-    list; a slice (`ids[sent:]`, how a stream takes its new tokens) copies only what it takes;
-    `list(view)` makes a list. A finished request's final output carries real lists.
+    whole lists for every stream at every step would cost O(length) per step, a visible share of a
+    decode step with hundreds of long streams and logprobs. Indexing, `len`, iteration and
+    comparison work as on a list; a slice (`ids[sent:]`, how a stream takes its new tokens) copies
+    only what it takes; `list(view)` makes a list. A finished request's final output carries real
+    lists.
     """
 
     __slots__ = ("_items", "_n")

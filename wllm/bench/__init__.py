@@ -1,7 +1,7 @@
-"""Benchmarks of issue 6: batch-1 decode latency, prefill, and offline throughput.
+"""Benchmarks: batch-1 decode latency, prefill, and offline throughput.
 
 Each measures wLLM through `wllm.LLM(..., load_format="dummy")`, HF transformers in the same
-process, and the hardware floor (`floors`), and reports the issue's targets. Entry points:
+process, and the hardware floor (`floors`), and reports how they compare. Entry points:
 `wllm bench ...` (wllm/entrypoints/bench_cli.py) and benchmarks/gpu_*.py.
 """
 

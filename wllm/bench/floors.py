@@ -1,12 +1,11 @@
-"""Hardware floors: the best time physics allows for a workload, and the issue's targets.
+"""Hardware floors: the best time physics allows for a workload.
 
 Decode is bandwidth-bound: every step reads all weights plus every KV byte of the batch once.
 Prefill is compute-bound: 2 FLOPs per parameter per token plus the attention matmuls. Offline
 throughput is bounded by whichever of the two is larger. "Parameters" means all of them, the
-embedding table included, as in the issue's figures (16.06 GB and 263 tok/s for Llama-3.1-8B),
-so the fractions printed here are comparable with the numbers quoted there. Sliding windows
-are ignored: they are off in the standard shapes, and elsewhere they only trim the small
-attention term.
+embedding table included (16.06 GB of bf16 weights for Llama-3.1-8B), so the fractions printed
+here are comparable with the figures in benchmarks/RESULTS.md. Sliding windows are ignored:
+they are off in the standard shapes, and elsewhere they only trim the small attention term.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ class Hardware:
     flops: float  # FLOP / s, measured bf16 dense matmul
 
 
-# Measured on the lent H200 on 2026-11-29 (see DESIGN.md, "Performance method").
+# The H200's measured ceilings (the method and the runs: benchmarks/RESULTS.md).
 H200 = Hardware("NVIDIA H200", bandwidth=4232e9, flops=758e12)
 
 
@@ -95,34 +94,3 @@ def throughput_floor(stats: ShapeStats, num_requests: int, prompt_len: int, outp
     kv_written = num_requests * tokens
     total_bytes = output_len * stats.weight_bytes + (kv_read + kv_written) * stats.kv_bytes_per_token
     return ThroughputFloor(compute_s=flops / hw.flops, bandwidth_s=total_bytes / hw.bandwidth)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The issue's standard workloads; targets apply only to these exact settings in bf16."""
-
-    prompt_len: int
-    output_len: int
-    num_requests: int = 1
-
-
-LATENCY = Workload(prompt_len=128, output_len=256)
-PREFILL = Workload(prompt_len=512, output_len=1)
-THROUGHPUT = Workload(prompt_len=512, output_len=128, num_requests=256)
-
-# Issue 6 targets: tok/s (higher is better) for latency and prefill, seconds (lower) for throughput.
-TARGETS: dict[tuple[str, str], float] = {
-    ("latency", "qwen2.5-0.5b"): 1200.0,
-    ("latency", "llama-3.1-8b"): 225.0,
-    ("prefill", "llama-3.1-8b"): 30000.0,
-    ("throughput", "qwen2.5-0.5b"): 1.0,
-    ("throughput", "llama-3.1-8b"): 4.3,
-}
-STANDARD = {"latency": LATENCY, "prefill": PREFILL, "throughput": THROUGHPUT}
-
-
-def target_for(bench: str, shape: str, workload: Workload, dtype: str) -> float | None:
-    """The issue's target for this run, or None when the run differs from the standard one."""
-    if workload != STANDARD[bench] or dtype not in ("bfloat16", "bf16"):
-        return None
-    return TARGETS.get((bench, shape))

@@ -17,7 +17,7 @@ class BenchError(RuntimeError):
 
 @dataclass
 class BenchResult:
-    """wLLM's number for one benchmark and shape, next to HF's, the hardware floor and the target.
+    """wLLM's number for one benchmark and shape, next to HF's and the hardware floor.
 
     `higher_is_better` is True for rates (tok/s) and False for times (seconds). `hf_note` says how
     the HF number was obtained when it is not a full run of the same workload (capped and
@@ -33,7 +33,6 @@ class BenchResult:
     hf: float | None = None
     hf_note: str = ""
     floor_note: str = ""
-    target: float | None = None
     details: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -50,22 +49,14 @@ class BenchResult:
             return None
         return self.wllm / self.hf if self.higher_is_better else self.hf / self.wllm
 
-    @property
-    def status(self) -> str:
-        """PASS / MISS against the issue's target, '-' when this run has none."""
-        if self.target is None:
-            return "-"
-        ok = self.wllm >= self.target if self.higher_is_better else self.wllm <= self.target
-        return "PASS" if ok else "MISS"
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(floor_fraction=self.floor_fraction, vs_hf=self.vs_hf, status=self.status)
+        d.update(floor_fraction=self.floor_fraction, vs_hf=self.vs_hf)
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BenchResult:
-        """Inverse of to_dict (the derived fields are recomputed, not read)."""
+        """Inverse of to_dict (the derived fields are recomputed, not read; unknown keys are ignored)."""
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -88,7 +79,7 @@ def format_percent(fraction: float) -> str:
 
 def format_table(results: list[BenchResult]) -> str:
     """A Markdown table (pastes into benchmarks/RESULTS.md); footnotes mark capped HF numbers."""
-    header = ["benchmark", "shape", "metric", "wLLM", "HF", "wLLM vs HF", "floor", "of floor", "target", "status"]
+    header = ["benchmark", "shape", "metric", "wLLM", "HF", "wLLM vs HF", "floor", "of floor"]
     rows: list[list[str]] = []
     notes: list[str] = []
     for r in results:
@@ -97,14 +88,11 @@ def format_table(results: list[BenchResult]) -> str:
             notes.append(r.hf_note)
             hf += "*" * len(notes)
         vs = r.vs_hf
-        target = "-" if r.target is None else ("<= " if not r.higher_is_better else ">= ") + format_value(
-            r.target, r.metric)
         floor = format_value(r.floor, r.metric) + (f" ({r.floor_note})" if r.floor_note else "")
         rows.append([r.bench, r.shape, r.metric, format_value(r.wllm, r.metric), hf,
-                     "-" if vs is None else f"{vs:.2f}x", floor, format_percent(r.floor_fraction), target,
-                     r.status])
+                     "-" if vs is None else f"{vs:.2f}x", floor, format_percent(r.floor_fraction)])
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
-    numeric = {3, 4, 5, 6, 7, 8}
+    numeric = {3, 4, 5, 6, 7}
 
     def line(cells: list[str]) -> str:
         padded = [c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
@@ -140,8 +128,9 @@ def check_chart_support() -> None:
 
 
 def draw_chart(path: str | os.PathLike[str], results: list[BenchResult], title: str = "") -> None:
-    """One panel per result: wLLM, HF and the floor as bars, the target as a dashed line (a
-    logarithmic axis when the bars differ more than 30x); '*' marks a capped HF number."""
+    """One panel per result: wLLM, HF and the floor as bars (a logarithmic axis when the bars
+    differ more than 30x), the fraction of the floor and the speed-up over HF in the heading;
+    '*' marks a capped HF number."""
     check_chart_support()
     import matplotlib
 
@@ -157,7 +146,7 @@ def draw_chart(path: str | os.PathLike[str], results: list[BenchResult], title: 
         labels = ["wLLM", "HF", "floor"]
         values = [r.wllm, r.hf or 0.0, r.floor]
         positive = [v for v in values if v > 0]
-        # A 28 s baseline next to a 0.2 s floor flattens the interesting bars: go logarithmic.
+        # A baseline a hundred times slower than the floor flattens the interesting bars: go logarithmic.
         log = bool(positive) and max(positive) / min(positive) > 30
         if log:
             ax.set_yscale("log")
@@ -169,12 +158,10 @@ def draw_chart(path: str | os.PathLike[str], results: list[BenchResult], title: 
             y = v if v > 0 else (min(positive) if log and positive else 0.0)
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
         better = "higher" if r.higher_is_better else "lower"
-        heading = f"{r.bench}: {r.shape}\n{r.metric}, {better} is better"
-        if r.target is not None:
-            ax.axhline(r.target, color="#c53030", linestyle="--", linewidth=1)
-            sign = ">=" if r.higher_is_better else "<="
-            heading += f"\ntarget (dashed) {sign} {format_value(r.target, r.metric)}: {r.status}"
-        ax.set_title(heading, fontsize=9)
+        versus = f"{format_percent(r.floor_fraction)} of floor"
+        if r.vs_hf is not None:
+            versus += f", {r.vs_hf:.2f}x HF"
+        ax.set_title(f"{r.bench}: {r.shape}\n{r.metric}, {better} is better\n{versus}", fontsize=9)
         ax.margins(y=0.15)
         if log:
             ax.set_ylabel("log scale", fontsize=7)

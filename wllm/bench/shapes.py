@@ -44,7 +44,7 @@ class ShapeStats:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of all parameters (the embedding table included, as in the issue's 16.06 GB)."""
+        """Bytes of all parameters, the embedding table included."""
         return self.num_params * self.dtype_bytes
 
     @property

@@ -1,4 +1,4 @@
-"""The three benchmarks of issue 6, each over a list of shapes: wLLM, then HF, then the floor.
+"""The three benchmarks, each over a list of shapes: wLLM, then HF, then the floor.
 
 Models are built one at a time and freed before the next (an 8B model and its KV cache leave
 little room for a second copy), so wLLM runs first and HF gets the memory afterwards.
@@ -7,7 +7,6 @@ little room for a second copy), so wLLM runs first and HF gets the memory afterw
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import statistics
 import subprocess
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from wllm.bench import floors
-from wllm.bench.floors import H200, Hardware, Workload
+from wllm.bench.floors import H200, Hardware
 from wllm.bench.report import BenchResult, format_percent, format_value
 from wllm.bench.shapes import Shape, ShapeStats, resolve_shape, shape_stats
 from wllm.bench.wllm_runs import (
@@ -53,11 +52,8 @@ class BenchConfig:
     hf_max_tokens: int = 64
     hardware: Hardware = H200
     engine: EngineOptions = field(default_factory=EngineOptions)
+    commit: str | None = None  # recorded in the JSON; None: asked of git
     log: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
-
-    @property
-    def workload(self) -> Workload:
-        return Workload(self.prompt_len, self.output_len, self.num_requests)
 
 
 def _prepare(cfg: BenchConfig, name: str) -> tuple[Shape, ShapeStats, PromptSource]:
@@ -110,14 +106,8 @@ def _report(cfg: BenchConfig, r: BenchResult) -> BenchResult:
     hf = ("skipped" if r.hf is None and not r.hf_note else format_value(r.hf, r.metric)) + (
         f" ({r.hf_note})" if r.hf_note else "")
     vs = f", {r.vs_hf:.2f}x HF" if r.vs_hf is not None else ""
-    if r.target is None:
-        target = "no target for this setting"
-    else:
-        sign = ">=" if r.higher_is_better else "<="
-        target = f"target {sign} {format_value(r.target, r.metric)}: {r.status}"
     floor = f"floor {format_value(r.floor, r.metric)} {r.metric} -> {format_percent(r.floor_fraction)} of floor"
-    cfg.log(f"[{r.bench}] {r.shape}: wLLM {format_value(r.wllm, r.metric)} {r.metric}{vs} | HF {hf} | "
-            f"{floor} | {target}")
+    cfg.log(f"[{r.bench}] {r.shape}: wLLM {format_value(r.wllm, r.metric)} {r.metric}{vs} | HF {hf} | {floor}")
     return r
 
 
@@ -131,7 +121,7 @@ def _latency_one(cfg: BenchConfig, name: str) -> BenchResult:
         from wllm.bench.hf_runs import hf_latency
 
         hf_len = min(olen, max(cfg.hf_max_tokens, 2))
-        # One timed pair after one warm-up: HF eager decode is steady and slow (~60 ms a step there).
+        # One timed pair after one warm-up: HF eager decode is steady and slow.
         hf_timing, note = _with_hf(cfg, shape, "sdpa",
                                    lambda m, dev: hf_latency(m, dev, prompts, plen, hf_len, 1, 1))
         if hf_timing is not None:
@@ -144,7 +134,6 @@ def _latency_one(cfg: BenchConfig, name: str) -> BenchResult:
         bench="latency", shape=shape.name, metric="decode tok/s", higher_is_better=True,
         wllm=timing.decode_tok_s, hf=hf, hf_note=note,
         floor=floors.decode_floor_tok_s(stats, plen, olen, cfg.hardware), floor_note="bandwidth",
-        target=floors.target_for("latency", shape.name, cfg.workload, cfg.engine.dtype),
         details={"end_to_end_s": timing.total_s, "first_token_s": timing.first_token_s,
                  "runs_total_s": timing.runs_total_s, "runs_first_token_s": timing.runs_first_s,
                  "load_s": load_s, "weight_bytes": stats.weight_bytes, "num_params": stats.num_params,
@@ -167,7 +156,6 @@ def _prefill_one(cfg: BenchConfig, name: str) -> BenchResult:
         bench="prefill", shape=shape.name, metric="prefill tok/s", higher_is_better=True,
         wllm=plen / statistics.median(times), hf=hf, hf_note=note,
         floor=floors.prefill_floor_tok_s(stats, plen, cfg.hardware), floor_note="compute",
-        target=floors.target_for("prefill", shape.name, cfg.workload, cfg.engine.dtype),
         details={"runs_s": times, "load_s": load_s, "flops": floors.prefill_flops(stats, plen),
                  "num_params": stats.num_params},
     )
@@ -176,8 +164,7 @@ def _prefill_one(cfg: BenchConfig, name: str) -> BenchResult:
 def _throughput_one(cfg: BenchConfig, name: str) -> BenchResult:
     shape, stats, prompts = _prepare(cfg, name)
     nreq, plen, olen = cfg.num_requests, cfg.prompt_len, cfg.output_len
-    # The median of `runs` batches: one batch's wall time varies by tens of percent on a shared host
-    # (H200, Qwen2.5-0.5B shape: 0.69-1.21 s over five single runs of the same build).
+    # The median of `runs` batches: one batch's wall time varies by tens of percent on a shared host.
     (walls, budget), load_s = _with_llm(
         cfg, shape, plen + olen,
         lambda llm: (wllm_throughput(llm, prompts, nreq, plen, olen, cfg.warmup, cfg.runs),
@@ -201,7 +188,6 @@ def _throughput_one(cfg: BenchConfig, name: str) -> BenchResult:
     return BenchResult(
         bench="throughput", shape=shape.name, metric="wall s", higher_is_better=False,
         wllm=wall, hf=hf, hf_note=note, floor=floor.seconds, floor_note=floor.bound,
-        target=floors.target_for("throughput", shape.name, cfg.workload, cfg.engine.dtype),
         details={"output_tok_s": nreq * olen / wall, "total_tok_s": nreq * (plen + olen) / wall,
                  "runs_s": walls, "load_s": load_s, "hf_measured_s": hf_raw, "hf_wall_with_setup_s": hf_wall,
                  "hf_requests": n_hf, "step_budget_tokens": budget,
@@ -238,10 +224,8 @@ def device_name(device: torch.device) -> str:
 
 
 def git_commit() -> str:
-    """The short commit of the source tree wllm runs from ($WLLM_COMMIT wins: copies of the tree
-    without .git, such as the GPU machine's, pass it in), or 'unknown' for an installed wheel."""
-    if os.environ.get("WLLM_COMMIT"):
-        return os.environ["WLLM_COMMIT"]
+    """The short commit of the source tree wllm runs from, or 'unknown' (an installed wheel, or a
+    copy of the tree without .git: pass `--commit` there)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=10)
@@ -259,7 +243,7 @@ def run_meta(cfg: BenchConfig, bench: str) -> dict[str, Any]:
         "benchmark": bench,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": device_name(device),
-        "commit": git_commit(),
+        "commit": cfg.commit or git_commit(),
         "wllm": __version__,
         "torch": torch.__version__,
         "dtype": cfg.engine.dtype,

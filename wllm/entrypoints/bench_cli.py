@@ -2,9 +2,9 @@
 
 Random weights in real model shapes (`load_format="dummy"`), so nothing is downloaded. Each run
 prints, per shape, wLLM's number, HF transformers' number measured in the same process, the
-hardware floor (H200: 4,232 GB/s, 758 bf16 TFLOP/s unless overridden), the fraction of the floor
-reached and the issue's target with PASS/MISS, then a table. `report` merges JSON files from
-earlier runs into one table and chart (e.g. on a machine that has matplotlib).
+hardware floor (H200: 4,232 GB/s, 758 bf16 TFLOP/s unless overridden) and the fraction of the
+floor reached, then a table. `report` merges JSON files from earlier runs into one table and
+chart (e.g. on a machine that has matplotlib).
 
     wllm bench latency                       # batch-1 decode, qwen2.5-0.5b and llama-3.1-8b
     wllm bench prefill                       # one 512-token prompt, llama-3.1-8b
@@ -88,6 +88,8 @@ def _add_bench(sub: Any, name: str) -> None:
     p.add_argument("--tflops", type=float, default=None, help="floor bf16 TFLOP/s (default H200 758)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--chart", default=None, metavar="FILE.png", help="draw a bar chart (needs matplotlib)")
+    p.add_argument("--commit", default=None, metavar="REV",
+                   help="source commit recorded with the results (default: asked of git, else 'unknown')")
     p.set_defaults(func=run, bench=name)
 
 
@@ -138,6 +140,7 @@ def build_config(args: argparse.Namespace) -> Any:
         hf_max_tokens=getattr(args, "hf_max_tokens", 64),
         hardware=hw,
         engine=engine,
+        commit=args.commit,
     )
 
 

@@ -98,7 +98,7 @@ def register(subparsers: Any) -> None:
                           "larger frames, for throughput at hundreds of streaming clients")
     eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                      help="run the engine in its own process (own GIL), so the HTTP loop and the engine do "
-                          "not slow each other down (3x lower inter-token latency under load); "
+                          "not slow each other down under load; "
                           "default: on for CUDA, off on the CPU")
 
     sec = p.add_argument_group("security")
@@ -231,7 +231,7 @@ def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
                 on_ready(host, port)
 
     # http="auto": httptools (a dependency; wheels for Linux and Windows) when it imports, h11 otherwise.
-    # At high concurrency one event loop's CPU bounds serving; httptools costs 5-14% less per token.
+    # At high concurrency one event loop's CPU bounds serving, and httptools spends less of it per token.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=args.shutdown_timeout, loop="asyncio", http="auto",
                             lifespan="on", server_header=False)

@@ -27,7 +27,7 @@ GGMLType = GGMLQuantizationType
 # Each step writes its float32 values in place into a slice of the output. 1000 blocks keep
 # every op under ATen's 32768-element grain, so each runs on the calling thread: bigger ops
 # open an OpenMP parallel region, and on a busy machine (more runnable threads than cores)
-# every region waits for a descheduled worker -- measured 5-30x slower overall. The steps
+# every region waits for a descheduled worker, which makes the whole many times slower. The steps
 # also keep their data in the CPU cache.
 _CHUNK_BLOCKS = 1000
 # On accelerators per-op launch cost dominates instead: big steps (scratch ~32 MB).
