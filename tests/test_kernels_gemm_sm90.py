@@ -1,10 +1,9 @@
-"""Hopper GEMM with the gated-activation epilogue (wllm.kernels.gemm_sm90) and its use by GatedMLP.
+"""Hopper GEMM with the gated-activation epilogue (wllm.kernels.gemm_sm90).
 
 CPU (CI): the reference against float64 math, argument errors, the fallback off SM 9.0, the layout check.
 CUDA (-m cuda, SM 9.0 GPUs): the kernel against the reference at odd sizes (partial tiles in every
 direction, K not a multiple of the 64-wide k-tile, a single row), both dtypes, all epilogues, strided
-rows, inside a CUDA graph, both schedules (whole tiles, stream-K with its partial sums and flags), and
-GatedMLP's choice of it for prefill-sized batches.
+rows, inside a CUDA graph, both schedules (whole tiles, stream-K with its partial sums and flags).
 """
 
 from __future__ import annotations
@@ -13,14 +12,10 @@ import importlib
 
 import pytest
 import torch
-from model_utils import cuda_gated_mlp
 
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import gemm_sm90, reference
 from wllm.kernels.gemm_sm90 import _cuda_gemm, fits, supported
-from wllm.model.layers import linear as linear_module
-from wllm.model.layers import mlp as mlp_module
-from wllm.model.layers.linear import Linear
 
 # The module (wllm.kernels re-exports its function under the same name).
 gemm_sm90_module = importlib.import_module("wllm.kernels.gemm_sm90")
@@ -231,56 +226,3 @@ def test_kernel_refuses_bad_layouts() -> None:
     x, w = make(64, 64, 72, torch.bfloat16, None, "cuda")
     with pytest.raises(Exception, match="16-byte aligned|multiples of 8"):
         _cuda_gemm(x.view(-1)[1:1 + 64 * 64].view(64, 64), w[:, :64].contiguous(), None)
-
-
-# ------------------------------------------------------------------------------------------
-# Linear's and GatedMLP's choice
-# ------------------------------------------------------------------------------------------
-
-
-def test_row_range_setting() -> None:
-    assert linear_module._row_range("129,1024") == (129, 1024)
-    assert linear_module._row_range("0") == (0, 0)
-    with pytest.warns(UserWarning, match="not 'lo,hi'"):
-        assert linear_module._row_range("many") == (0, 0)
-
-
-def test_integer_setting_falls_back_with_a_warning(monkeypatch) -> None:
-    monkeypatch.setenv("WLLM_TEST_ROWS", "12")
-    assert linear_module._env_int("WLLM_TEST_ROWS", 16) == 12
-    monkeypatch.setenv("WLLM_TEST_ROWS", "sixteen")
-    with pytest.warns(UserWarning, match="not an integer; using 16"):
-        assert linear_module._env_int("WLLM_TEST_ROWS", 16) == 16
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("rows", [99, 100, 240, 300, 301])
-@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_layers_take_the_hopper_gemm_in_their_row_range(rows: int, act: str, monkeypatch) -> None:
-    """Within SM90_GEMM_ROWS on SM 9.0, the MLP's gate_up projection and its activation are one gemm_sm90
-    call and its down projection (a plain Linear) another; outside it cuBLAS + act_and_mul. Same result
-    either way; a Linear with a bias always stays on cuBLAS."""
-    _sm90()
-    monkeypatch.setattr(linear_module, "SM90_GEMM_ROWS", (100, 300))
-    calls = []
-    real = gemm_sm90_module.gemm_sm90
-
-    def spy(*a, **kw):
-        calls.append(a[2] if len(a) > 2 else None)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(mlp_module, "gemm_sm90", spy)
-    monkeypatch.setattr(linear_module, "gemm_sm90", spy)
-    torch.manual_seed(7)
-    mlp = cuda_gated_mlp(512, 1408, act)
-    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
-    out = mlp(x)
-    assert calls == ([mlp.fused_act, None] if 100 <= rows <= 300 else [])
-    monkeypatch.setattr(linear_module, "SM90_GEMM_ROWS", (0, 0))
-    calls.clear()
-    unfused = mlp(x)
-    assert calls == []
-    torch.testing.assert_close(out, unfused, rtol=3e-2, atol=3e-2)
-    biased = Linear(512, 64, bias=True).to("cuda", torch.bfloat16)
-    monkeypatch.setattr(linear_module, "SM90_GEMM_ROWS", (100, 300))
-    assert not biased.use_sm90(x)
