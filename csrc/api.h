@@ -44,28 +44,31 @@ WLLM_API int WLLM_FN(wllm_device_check)(int device, int* binary_sm, int* ptx_ver
 
 // Programmatic Dependent Launch (sm_90+): the decode-path kernels (rms_norm, fused_add_rms_norm,
 // rotary_and_cache, paged_decode_attention, act_and_mul, gemv) are launched so that each may start
-// its independent prologue while the kernel before it finishes. On by default; WLLM_PDL=0 in the
-// environment (read at the first launch) or wllm_set_pdl(0) turns it off; results are identical
-// either way. Returns the previous setting (0 or 1). Affects launches made after the call, so a CUDA
-// graph keeps the setting it was captured with.
+// its independent prologue while the kernel before it finishes. Always on where the GPU has it; results
+// are identical either way.
+//
+// Test hooks: the four setters below switch a default kernel choice off so that the tests on one GPU
+// cover the paths other GPUs take by default (they are not user settings; nothing in the library reads
+// the environment). Each is process-wide, affects launches made after the call (a CUDA graph keeps what
+// it was captured with) and returns the previous setting.
+//
+// wllm_set_pdl(0): launch without the PDL attribute, as on pre-SM 9.0 GPUs (1 = the default).
 WLLM_API int WLLM_FN(wllm_set_pdl)(int enable);
 
 // Paged decode attention on tensor cores (sm_80+, fp16/bf16, head sizes up to 128) or on the FMA kernel
 // that older GPUs, fp32 and head size 256 use. Modes: 2 = tensor cores for large batches, the FMA kernel
-// for small ones (default), 1 = tensor cores wherever they apply, 0 = the FMA kernel everywhere.
-// WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=1 in the environment (read at the first launch) set
-// modes 0 / 1. Returns the previous mode; affects launches made after the call.
+// for small ones (the default), 1 = tensor cores wherever they apply (their latency variant for small
+// batches), 0 = the FMA kernel everywhere.
 WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode);
 
 // Paged decode attention's K/V tiles by TMA boxes on SM 9.0 (the tensor-core kernel's bandwidth variant,
 // head sizes 64 and 128, no sliding window). Modes: 2 = calls without splits on the persistent kernel (a
-// resident grid streaming unit after unit), the rest one CTA per unit (default); 1 = one CTA per unit
-// everywhere; 0 = off (per-row bulk copies). WLLM_DECODE_TMA=0 / =1 in the environment set modes 0 / 1.
-// Returns the previous mode; affects launches made after the call.
+// resident grid streaming unit after unit), the rest one CTA per unit (the default); 1 = one CTA per unit
+// everywhere; 0 = off (per-row bulk copies, as other tensor-core GPUs run it).
 WLLM_API int WLLM_FN(wllm_set_decode_tma)(int mode);
 
-// The Hopper (wgmma) prefill-attention kernel on SM 9.0: 1 (the default; WLLM_PREFILL_SM90=0 starts with
-// 0) or 0 (the mma.sync kernel). Process-wide; returns the previous setting.
+// The Hopper (wgmma) prefill-attention kernel on SM 9.0: 1 (the default) or 0 (the mma.sync kernel of
+// other tensor-core GPUs).
 WLLM_API int WLLM_FN(wllm_set_prefill_sm90)(int enabled);
 
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (weight + weight_offset), in fp32.
