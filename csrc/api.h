@@ -19,7 +19,7 @@
 #define WLLM_FN(name) WLLM_CAT(name, WLLM_SYMBOL_SUFFIX)
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatched library.
-#define WLLM_ABI_VERSION 5
+#define WLLM_ABI_VERSION 6
 
 enum WllmStatus {
   WLLM_OK = 0,
@@ -211,25 +211,6 @@ WLLM_API int WLLM_FN(wllm_paged_decode_attention)(
 // activation: 0 = SiLU, 1 = tanh-approximated GELU.
 WLLM_API int WLLM_FN(wllm_act_and_mul)(void* out, const void* x, int64_t rows, int64_t inter, int64_t out_row_stride,
                                        int64_t x_row_stride, int activation, int dtype, void* stream);
-
-// 1 when wllm_gemm_sm90 runs on the current device (an SM 9.0 GPU), else 0.
-WLLM_API int WLLM_FN(wllm_gemm_sm90_supported)(void);
-
-// Bytes of workspace wllm_gemm_sm90's stream-K schedule uses on the current device (its SM count's worth).
-// The caller zeroes it once; every call leaves its flags zero again. One workspace serves calls that run
-// one after another (one stream, or the replays of CUDA graphs captured on it), not calls at the same time.
-WLLM_API int WLLM_FN(wllm_gemm_sm90_workspace_size)(int64_t* bytes);
-
-// Hopper GEMM (TMA + wgmma, SM 9.0 only), fp16 or bf16, fp32 accumulation rounded once. epilogue 0:
-// c[m, n] = a[m, k] @ b[n, k]^T. epilogue 1 (SiLU) or 2 (tanh-GELU): b is [2 n, k] = [gate rows | up rows]
-// and c[m, n] = act(a @ gate^T) * (a @ up^T), gated in fp32 before the rounding. Row strides in elements,
-// multiples of 8 (and at least the row length); matrices 16-byte aligned. schedule 0 chooses: whole output
-// tiles per CTA pair, or stream-K (k-blocks split evenly over the SMs, fp32 partial sums through the
-// workspace) when the tiles would leave SMs idle -- decode-sized m -- and a workspace is given; 1 forces
-// whole tiles, 2 stream-K (needs the workspace). workspace may be null (whole tiles only).
-WLLM_API int WLLM_FN(wllm_gemm_sm90)(void* c, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
-                                     int64_t lda, int64_t ldb, int64_t ldc, int epilogue, int dtype, void* workspace,
-                                     int64_t workspace_bytes, int schedule, void* stream);
 
 // Bytes of workspace wllm_sample may use (a constant of this library). The caller zeroes it once; every
 // call leaves it zeroed again. One workspace serves calls that run one after another (one stream, or

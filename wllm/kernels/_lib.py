@@ -17,7 +17,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 LIB_NAME = "wllm_kernels.dll" if sys.platform == "win32" else "libwllm_kernels.so"
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 WLLM_OK = 0
 WLLM_ERR_NO_KERNEL_IMAGE = 3
@@ -63,11 +63,6 @@ SIGNATURES: dict[str, list] = {
     "wllm_gemv_rotary_cache": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
                                c_void_p, c_void_p, c_void_p, c_int64, c_int, c_void_p, c_void_p, c_int64, c_int, c_int,
                                c_int, c_int, c_int64, c_int64, c_int64, c_int, c_int, c_void_p],
-    # Hopper GEMM with a gated-activation epilogue (gemm_sm90.cu); _supported returns 0/1, not a status.
-    "wllm_gemm_sm90": [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int,
-                       c_int, c_void_p, c_int64, c_int, c_void_p],
-    "wllm_gemm_sm90_supported": [],
-    "wllm_gemm_sm90_workspace_size": [ctypes.POINTER(c_int64)],
     # Test hooks (tests/test_kernels_*.py): each returns the previous setting, not a status.
     "wllm_set_pdl": [c_int],
     "wllm_set_decode_mma": [c_int],
