@@ -44,7 +44,9 @@ class KernelTable:
     name: str
     # The skinny GEMM's CUDA-core kernels: up to gemv_max_rows rows of a weight of at most
     # gemv_small_weight_bytes, and one row of a larger one (up to gemv_max_weight_bytes) when K is at least
-    # gemv_wide_min_k, where the register-prefetch kernel still reads the weight faster than cuBLAS.
+    # gemv_wide_min_k, where the register-prefetch kernel still reads the weight faster than cuBLAS. Where
+    # the two only tie (a small model's gate_up, a large one's), the skinny GEMM still wins the step: the
+    # PDL kernel behind it may load its weights before its wait, which a cuBLAS predecessor does not allow.
     gemv_max_rows: int = 2
     gemv_small_weight_bytes: int = 18 << 20
     gemv_wide_min_k: int = 2048
