@@ -1,5 +1,6 @@
 """Writes csrc/wgmma_sm90.cuh: inline-PTX wrappers of the Hopper wgmma instructions the SM 9.0 kernels use
-(the GEMM; the prefill attention's Q.K^T from shared memory and P.V with P in registers).
+(the prefill attention's Q.K^T from shared memory and P.V with P in registers; the m64n256 shape is the
+Hopper GEMM's, kept in experiments/gemm_sm90/ as the base of the quantized GEMM).
 
 A wgmma names every accumulator register in its operand list (128 for m64n256), which is unreadable by
 hand, so the wrappers are generated:  python build_tools/gen_wgmma.py
@@ -11,7 +12,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "csrc" / "wgmma_sm90.cuh"
 TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
-WIDTHS = (128, 256)  # both operands in shared memory: the prefill attention's Q.K^T, the GEMM
+WIDTHS = (128, 256)  # both operands in shared memory: the prefill attention's Q.K^T, the experimental GEMM
 RS_WIDTHS = (64, 128)  # A in registers, B N-major (transposed) in shared memory
 
 

@@ -19,7 +19,7 @@
 #define WLLM_FN(name) WLLM_CAT(name, WLLM_SYMBOL_SUFFIX)
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatched library.
-#define WLLM_ABI_VERSION 5
+#define WLLM_ABI_VERSION 6
 
 enum WllmStatus {
   WLLM_OK = 0,
@@ -44,28 +44,31 @@ WLLM_API int WLLM_FN(wllm_device_check)(int device, int* binary_sm, int* ptx_ver
 
 // Programmatic Dependent Launch (sm_90+): the decode-path kernels (rms_norm, fused_add_rms_norm,
 // rotary_and_cache, paged_decode_attention, act_and_mul, gemv) are launched so that each may start
-// its independent prologue while the kernel before it finishes. On by default; WLLM_PDL=0 in the
-// environment (read at the first launch) or wllm_set_pdl(0) turns it off; results are identical
-// either way. Returns the previous setting (0 or 1). Affects launches made after the call, so a CUDA
-// graph keeps the setting it was captured with.
+// its independent prologue while the kernel before it finishes. Always on where the GPU has it; results
+// are identical either way.
+//
+// Test hooks: the four setters below switch a default kernel choice off so that the tests on one GPU
+// cover the paths other GPUs take by default (they are not user settings; nothing in the library reads
+// the environment). Each is process-wide, affects launches made after the call (a CUDA graph keeps what
+// it was captured with) and returns the previous setting.
+//
+// wllm_set_pdl(0): launch without the PDL attribute, as on pre-SM 9.0 GPUs (1 = the default).
 WLLM_API int WLLM_FN(wllm_set_pdl)(int enable);
 
 // Paged decode attention on tensor cores (sm_80+, fp16/bf16, head sizes up to 128) or on the FMA kernel
 // that older GPUs, fp32 and head size 256 use. Modes: 2 = tensor cores for large batches, the FMA kernel
-// for small ones (default), 1 = tensor cores wherever they apply, 0 = the FMA kernel everywhere.
-// WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=1 in the environment (read at the first launch) set
-// modes 0 / 1. Returns the previous mode; affects launches made after the call.
+// for small ones (the default), 1 = tensor cores wherever they apply (their latency variant for small
+// batches), 0 = the FMA kernel everywhere.
 WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode);
 
 // Paged decode attention's K/V tiles by TMA boxes on SM 9.0 (the tensor-core kernel's bandwidth variant,
 // head sizes 64 and 128, no sliding window). Modes: 2 = calls without splits on the persistent kernel (a
-// resident grid streaming unit after unit), the rest one CTA per unit (default); 1 = one CTA per unit
-// everywhere; 0 = off (per-row bulk copies). WLLM_DECODE_TMA=0 / =1 in the environment set modes 0 / 1.
-// Returns the previous mode; affects launches made after the call.
+// resident grid streaming unit after unit), the rest one CTA per unit (the default); 1 = one CTA per unit
+// everywhere; 0 = off (per-row bulk copies, as other tensor-core GPUs run it).
 WLLM_API int WLLM_FN(wllm_set_decode_tma)(int mode);
 
-// The Hopper (wgmma) prefill-attention kernel on SM 9.0: 1 (the default; WLLM_PREFILL_SM90=0 starts with
-// 0) or 0 (the mma.sync kernel). Process-wide; returns the previous setting.
+// The Hopper (wgmma) prefill-attention kernel on SM 9.0: 1 (the default) or 0 (the mma.sync kernel of
+// other tensor-core GPUs).
 WLLM_API int WLLM_FN(wllm_set_prefill_sm90)(int enabled);
 
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * (weight + weight_offset), in fp32.
@@ -208,25 +211,6 @@ WLLM_API int WLLM_FN(wllm_paged_decode_attention)(
 // activation: 0 = SiLU, 1 = tanh-approximated GELU.
 WLLM_API int WLLM_FN(wllm_act_and_mul)(void* out, const void* x, int64_t rows, int64_t inter, int64_t out_row_stride,
                                        int64_t x_row_stride, int activation, int dtype, void* stream);
-
-// 1 when wllm_gemm_sm90 runs on the current device (an SM 9.0 GPU), else 0.
-WLLM_API int WLLM_FN(wllm_gemm_sm90_supported)(void);
-
-// Bytes of workspace wllm_gemm_sm90's stream-K schedule uses on the current device (its SM count's worth).
-// The caller zeroes it once; every call leaves its flags zero again. One workspace serves calls that run
-// one after another (one stream, or the replays of CUDA graphs captured on it), not calls at the same time.
-WLLM_API int WLLM_FN(wllm_gemm_sm90_workspace_size)(int64_t* bytes);
-
-// Hopper GEMM (TMA + wgmma, SM 9.0 only), fp16 or bf16, fp32 accumulation rounded once. epilogue 0:
-// c[m, n] = a[m, k] @ b[n, k]^T. epilogue 1 (SiLU) or 2 (tanh-GELU): b is [2 n, k] = [gate rows | up rows]
-// and c[m, n] = act(a @ gate^T) * (a @ up^T), gated in fp32 before the rounding. Row strides in elements,
-// multiples of 8 (and at least the row length); matrices 16-byte aligned. schedule 0 chooses: whole output
-// tiles per CTA pair, or stream-K (k-blocks split evenly over the SMs, fp32 partial sums through the
-// workspace) when the tiles would leave SMs idle -- decode-sized m -- and a workspace is given; 1 forces
-// whole tiles, 2 stream-K (needs the workspace). workspace may be null (whole tiles only).
-WLLM_API int WLLM_FN(wllm_gemm_sm90)(void* c, const void* a, const void* b, int64_t m, int64_t n, int64_t k,
-                                     int64_t lda, int64_t ldb, int64_t ldc, int epilogue, int dtype, void* workspace,
-                                     int64_t workspace_bytes, int schedule, void* stream);
 
 // Bytes of workspace wllm_sample may use (a constant of this library). The caller zeroes it once; every
 // call leaves it zeroed again. One workspace serves calls that run one after another (one stream, or

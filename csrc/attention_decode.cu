@@ -527,8 +527,8 @@ struct Pipeline {
 // CTA of a (sequence, KV-head chunk) to finish -- an atomic ticket in the workspace that this CTA resets
 // to zero, so CUDA graph replays find it zero again -- merges all partials and writes the output.
 //
-// Everything here is on the critical path of a small batch (H200, Llama heads, batch 1: the merge was
-// ~2 us of a ~9 us call while its per-element loops chained an exp per split). So the exps run once per
+// Everything here is on the critical path of a small batch (a merge whose per-element loops chained an
+// exp per split took a sizeable share of a batch-1 call). So the exps run once per
 // (warp or split, head) -- a thread per head, or a warp per head with a lane per split -- and each output
 // element is then a dot product over warps or splits whose loads and FMAs do not wait on each other.
 // Barrier over the CTA's first THREADS threads (named barrier 1) -- the consumer warps of a kernel whose
@@ -912,9 +912,9 @@ __global__ void __launch_bounds__(kThreads, 4) paged_decode_kernel(const Params 
 
 // ---- tensor-core kernel (sm_80+, fp16/bf16, head sizes 64-128) ----------------------------------
 // The same pipeline, split and merge as the kernel above; the arithmetic runs on mma.m16n8k16 with the
-// (up to 8) query heads of a CTA as the n = 8 side, which takes ~10x fewer instructions per token than
-// the FMA/shuffle kernel (that one, at 64 sequences x 4,096 tokens, issued on ~72% of cycles and stayed
-// at ~68% of bandwidth). Each of the 2 warps owns 16 tokens of every 32-token tile and keeps its own
+// (up to 8) query heads of a CTA as the n = 8 side, which takes far fewer instructions per token than
+// the FMA/shuffle kernel (that one is issue-bound on large batches and stays well below the copy
+// bandwidth there). Each of the 2 warps owns 16 tokens of every 32-token tile and keeps its own
 // online softmax; the warps are combined once at the end.
 //  - scores, transposed: S^T[16 tokens x 8 heads] = K[16 x D] q^T, A = K rows by ldmatrix, B = q in
 //    registers (k-step kk: head lane/4, dims 16kk + 2(lane%4) + {0, 1} and + 8);
@@ -929,7 +929,7 @@ constexpr int kMmaHeads = 8;  // query heads per CTA: the n side of the MMA (pad
 // Two stage counts per head size: STAGES_BW keeps a CTA within 44 KB, so that the many CTAs of a large
 // batch are all resident at once (bandwidth); STAGES_LAT (dynamic shared memory up to ~70 KB) puts a
 // short context in flight before pdl_wait() for the few CTAs of a small batch (latency; used for small
-// batches only with WLLM_DECODE_MMA_SMALL_BATCH=1, see mma_switch).
+// batches only when wllm_set_decode_mma asks for tensor cores everywhere, see g_mma_switch).
 template <int D>
 struct MmaStages {
   static constexpr int TT = 16 * (kMmaThreads / 32);  // tokens per tile: 16 per warp
@@ -957,9 +957,9 @@ struct MmaTiling {
   static constexpr int CPR = D * 2 / 16;
   static constexpr int NCH = (TT * CPR + THREADS - 1) / THREADS;
   // Latency variant: one CTA takes a span of up to 4 tiles (128 tokens), all but the last in flight
-  // before pdl_wait() (H200, Llama heads, batch 1: 5.7 us against 7.6 us for the FMA kernel); longer spans
-  // split into one-tile units like the FMA kernel's. A 2-warp CTA pays ~1.5 us per further tile (copy
-  // issue and MMA chains of only 64 threads): 16 tiles in one CTA took 25.7 us, 3-tile splits 13.2 us.
+  // before pdl_wait() (faster than the FMA kernel on such short contexts); longer spans split into
+  // one-tile units like the FMA kernel's, because a 2-warp CTA pays for every further tile (copy issue
+  // and MMA chains of only 64 threads) more than a split costs.
   static constexpr int UNIT = LATENCY ? TT : (cmax(kMinSplitTokens, TT) + TT - 1) / TT * TT;
   static constexpr int SINGLE_MAX = LATENCY ? 4 * TT : UNIT + kSinglePassExtraTiles * TT;
   static constexpr int ACC_BYTES = WARPS * kMmaHeads * D * 4;
@@ -1201,10 +1201,11 @@ __global__ void __launch_bounds__(kMmaThreads)
 
 // Persistent TMA decode (sm_90a, calls without splits; the offline batch's regime of many short
 // contexts). With one CTA per (sequence, KV-head chunk), each CTA paid its start-up -- block-table and q
-// loads, the pipeline fill -- and its combine with no K/V bytes in flight, which at ~18 tiles per CTA cost
-// ~10% of the bandwidth. Here a grid of resident CTAs takes units u = blockIdx.x, blockIdx.x + gridDim.x,
-// ... in turn, and one producer warp streams all of its units' tiles through the stages without a break:
-// the next unit's first tiles land while the consumers finish the last one. The two consumer warps
+// loads, the pipeline fill -- and its combine with no K/V bytes in flight, a visible share of the
+// bandwidth at the few tiles per CTA of short contexts. Here a grid of resident CTAs takes units
+// u = blockIdx.x, blockIdx.x + gridDim.x, ... in turn, and one producer warp streams all of its units'
+// tiles through the stages without a break: the next unit's first tiles land while the consumers finish
+// the last one. The two consumer warps
 // compute as mma_decode does; their combine has its own shared memory (the stages stay in flight).
 //
 // Stages: full[s] completes when a tile's boxes land (the producer's expect_tx), empty[s] when both
@@ -1214,10 +1215,9 @@ __global__ void __launch_bounds__(kMmaThreads)
 //
 // The packed build (PACKED > 1, head size 128) combines in the unit's last stage, held back from the
 // producer until the output is written (the other stage stays in flight), instead of an area of its own,
-// and caps its registers (96 instead of 122) so that PACKED CTAs fit an SM: 6 instead of 5 on the H200. It
-// runs grids of more units than the plain build holds at once, where more stages in flight per SM win
-// (256 x 512-640, Llama heads: 93.5% of copy bandwidth against 91%); one long unit per CTA streams faster
-// with the plain build's registers (64 x 4,096: 87% against 78%).
+// and caps its registers so that PACKED CTAs fit an SM (one more than the plain build). It runs grids of
+// more units than the plain build holds at once, where more stages in flight per SM win (many short
+// contexts); one long unit per CTA streams faster with the plain build's registers (benchmarks/RESULTS.md).
 template <typename T, int D, int STAGES, bool PACKED = false>
 struct PersistTiling {
   using TL = MmaTiling<T, D, STAGES, true>;
@@ -1491,15 +1491,11 @@ static bool launch_mma_kernel(Params p, dim3 grid, cudaStream_t s) {
 
 // The bandwidth variant with TMA tiles: on sm_90 (the kernels are built as sm_90a), for head sizes 64 and
 // 128, without a sliding window (whose span starts inside a cache block; TMA boxes are whole blocks), when
-// TMA can describe the caches. Mode (g_tma_switch): 0 off, 1 one CTA per unit (paged_decode_tma_kernel),
-// 2 (the default) calls without splits on the persistent kernel, the rest as 1. WLLM_DECODE_TMA=0 / =1 in
-// the environment set the initial mode; wllm_set_decode_tma changes it.
-static std::atomic<int> g_tma_switch(-1);
-static int tma_from_environment() {
-  if (env_equals("WLLM_DECODE_TMA", "0")) return 0;
-  return env_equals("WLLM_DECODE_TMA", "1") ? 1 : 2;
-}
-static int tma_switch() { return lazy_setting(g_tma_switch, tma_from_environment); }
+// TMA can describe the caches. Mode (g_tma_switch): 2 (the default) calls without splits on the persistent
+// kernel, the rest one CTA per unit (paged_decode_tma_kernel); 1 one CTA per unit everywhere; 0 off, the
+// per-row bulk copies that other tensor-core GPUs use. wllm_set_decode_tma is the tests' hook to run the
+// other modes on an SM 9.0 GPU.
+static std::atomic<int> g_tma_switch(2);
 
 // CTAs of `kernel` resident per SM with `threads` threads and `smem` bytes of dynamic shared memory, asked
 // once (every sm_90 GPU has the same SM resources; only sm_90 runs these kernels).
@@ -1521,7 +1517,7 @@ static bool launch_tma_kernel(const Params& p, dim3 grid, const DeviceProps& dev
     return false;
   } else {
     using TL = MmaTiling<T, D, STAGES, true>;
-    const int mode = tma_switch();
+    const int mode = g_tma_switch.load(std::memory_order_relaxed);
     if (!(dev.major == 9 && dev.minor == 0) || p.window != 0 || mode == 0) return false;
     const int block_size = 1 << p.block_shift;
     CUtensorMap map_k, map_v;
@@ -1573,26 +1569,18 @@ static bool launch_tma_kernel(const Params& p, dim3 grid, const DeviceProps& dev
   }
 }
 
-// Tensor-core mode: -1 = not read yet, then 0 (off), 1 (everywhere) or 2 (the default: large grids only,
-// small batches on the FMA kernel). From the environment (WLLM_DECODE_MMA=0: mode 0;
-// WLLM_DECODE_MMA_SMALL_BATCH=1: mode 1) or wllm_set_decode_mma. Mode 2 is the default because at
-// batch 1 the FMA kernel is as fast end to end (H200: 1,270 / 221 tok/s with it, 1,193 / 214 with the
-// tensor-core latency variant): the 2-warp tensor-core CTA wins only up to ~128 tokens of context.
-static std::atomic<int> g_mma_switch(-1);
-
-static int mma_mode_from_environment() {
-  if (env_equals("WLLM_DECODE_MMA", "0")) return 0;
-  return env_equals("WLLM_DECODE_MMA_SMALL_BATCH", "1") ? 1 : 2;
-}
-
-static int mma_switch() { return lazy_setting(g_mma_switch, mma_mode_from_environment); }
+// Tensor-core mode: 2 (the default: large grids only, small batches on the FMA kernel, which is as fast
+// end to end at batch 1 -- the 2-warp tensor-core CTA wins only on short contexts), 1 (everywhere: the
+// latency variant for small grids) or 0 (off: the FMA kernel of older GPUs everywhere). wllm_set_decode_mma
+// is the tests' hook to cover every kernel on one GPU.
+static std::atomic<int> g_mma_switch(2);
 
 // The tensor-core kernel: sm_80+, 16-bit types, head sizes up to 128 (a CTA serves <= 8 query heads, as
 // make_plan chunks the group for those sizes), unless switched off.
 template <typename T>
 static bool use_mma(int head_size, const DeviceProps& dev) {
   if (std::is_same<T, float>::value || head_size > 128) return false;
-  return mma_switch() && dev.major >= 8;
+  return g_mma_switch.load(std::memory_order_relaxed) && dev.major >= 8;
 }
 
 template <typename T, int D>
@@ -1604,7 +1592,7 @@ static void launch_for_gq(const Params& p, int gq, dim3 grid, cudaStream_t s) {
       // whole split in flight before pdl_wait(). Many: the bandwidth variant, small enough that the
       // whole grid is resident at once.
       const bool few = (int64_t)grid.x * 4 <= (int64_t)dev.sms;
-      if (few && mma_switch() == 2) {
+      if (few && g_mma_switch.load(std::memory_order_relaxed) == 2) {
         // small batches on the FMA kernel (below)
       } else if (few ? launch_mma_kernel<T, D, MmaStages<D>::STAGES_LAT>(p, grid, s)
               : launch_tma_kernel<T, D, MmaStages<D>::STAGES_BW>(p, grid, dev, s) ||
@@ -1661,15 +1649,11 @@ WLLM_TRACE_TU(attn)
 }  // namespace WLLM_NS
 
 WLLM_API int WLLM_FN(wllm_set_decode_mma)(int mode) {
-  const int previous = WLLM_NS::decode::mma_switch();
-  WLLM_NS::decode::g_mma_switch.store(mode == 0 || mode == 2 ? mode : 1);
-  return previous;
+  return WLLM_NS::decode::g_mma_switch.exchange(mode == 0 || mode == 2 ? mode : 1);
 }
 
 WLLM_API int WLLM_FN(wllm_set_decode_tma)(int mode) {
-  const int previous = WLLM_NS::decode::tma_switch();
-  WLLM_NS::decode::g_tma_switch.store(mode == 0 || mode == 1 ? mode : 2);
-  return previous;
+  return WLLM_NS::decode::g_tma_switch.exchange(mode == 0 || mode == 1 ? mode : 2);
 }
 
 WLLM_API int WLLM_FN(wllm_paged_decode_workspace_size)(int num_seqs, int num_heads, int num_kv_heads, int head_size,

@@ -12,7 +12,7 @@
 // accumulators, online softmax in registers), K and V tiles gathered through the block table
 // with cp.async so the V load overlaps Q.K^T and the next K load overlaps P.V.
 // SM 9.0, fp16/bf16, head sizes 64 and 128: the same algorithm on warpgroup MMAs
-// (attention_prefill_sm90.cuh), unless WLLM_PREFILL_SM90=0 or wllm_set_prefill_sm90(0).
+// (attention_prefill_sm90.cuh); wllm_set_prefill_sm90(0) is the tests' hook to run the mma.sync kernel there.
 // SM 7.x (and fp32 everywhere): a SIMT kernel with the same semantics, fp32 throughout.
 #include <math.h>
 #include <stdint.h>
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kFlashThreads) flash_prefill_kernel(const Para
 
     // Scores stay unscaled (soft-capped ones are already in the log2 domain) and the scale is folded
     // into the exponent, exp2(s * mul - m * mul): one FFMA and one MUFU.EX2 per score, where scaling
-    // first and a full-range exp2f cost ~12% more at 16 x 512 tokens. The max of unscaled scores is the
+    // first and a full-range exp2f cost measurably more. The max of unscaled scores is the
     // max of scaled ones because mul > 0 (the API requires scale > 0).
     const float mul = capped ? 1.0f : pre;
     if (capped) {
@@ -359,10 +359,9 @@ static int launch_sm90(const Params& p, int64_t num_tokens, int num_heads, cudaS
   return check_launch("paged_prefill_attention (sm90)");
 }
 
-// The Hopper kernel's switch: 1 (default) on SM 9.0, 0 off (WLLM_PREFILL_SM90=0 or wllm_set_prefill_sm90).
-static std::atomic<int> g_sm90_switch(-1);
-static int sm90_from_environment() { return env_equals("WLLM_PREFILL_SM90", "0") ? 0 : 1; }
-static int sm90_switch() { return lazy_setting(g_sm90_switch, sm90_from_environment); }
+// The Hopper kernel on SM 9.0: 1 (the default), 0 the mma.sync kernel of other tensor-core GPUs (the tests'
+// hook wllm_set_prefill_sm90, so that one GPU covers both).
+static std::atomic<int> g_sm90_switch(1);
 
 enum Path { PATH_SIMT = 0, PATH_MMA = 1, PATH_SM90 = 2 };
 
@@ -444,9 +443,8 @@ WLLM_API int WLLM_FN(wllm_paged_prefill_attention)(
   if (int rc = current_device_props(&dev)) return rc;
   // The tensor-core kernels copy 16-byte chunks: rows must start on 16-byte boundaries.
   const bool tensor_cores = dtype != WLLM_FLOAT32 && dev.major >= 8;
-  const Path path = !tensor_cores ? PATH_SIMT
-                    : dev.major == 9 && dev.minor == 0 && sm90_switch() ? PATH_SM90
-                                                                         : PATH_MMA;
+  const bool sm90 = dev.major == 9 && dev.minor == 0 && g_sm90_switch.load(std::memory_order_relaxed) != 0;
+  const Path path = !tensor_cores ? PATH_SIMT : sm90 ? PATH_SM90 : PATH_MMA;
   if (tensor_cores) {
     const int64_t strides[7] = {q_token_stride, q_head_stride, out_token_stride, out_head_stride,
                                 kv_block_stride, kv_token_stride, kv_head_stride};
@@ -494,7 +492,5 @@ WLLM_API int WLLM_FN(wllm_paged_prefill_attention)(
 }
 
 WLLM_API int WLLM_FN(wllm_set_prefill_sm90)(int enabled) {
-  const int previous = WLLM_NS::prefill::sm90_switch();
-  WLLM_NS::prefill::g_sm90_switch.store(enabled ? 1 : 0);
-  return previous;
+  return WLLM_NS::prefill::g_sm90_switch.exchange(enabled ? 1 : 0);
 }

@@ -1,8 +1,6 @@
 // Library-wide entry points: ABI version, error reporting and the device check.
 #include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include <atomic>
 
@@ -29,28 +27,9 @@ int check_launch(const char* what) {
   return fail(code, "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
 }
 
-// PDL switch: -1 = not read yet, then 0 or 1. Read from WLLM_PDL once (anything but "0" leaves PDL
-// on); wllm_set_pdl overrides it. Atomic because launches may come from several host threads.
-static std::atomic<int> g_pdl_switch(-1);
-
-bool env_equals(const char* name, const char* value) {
-#if defined(_MSC_VER)
-  // getenv is "deprecated" under MSVC (C4996); _dupenv_s is its warning-free equivalent.
-  char* found = nullptr;
-  size_t length = 0;
-  bool equal = false;
-  if (_dupenv_s(&found, &length, name) == 0 && found != nullptr) {
-    equal = strcmp(found, value) == 0;
-    free(found);
-  }
-  return equal;
-#else
-  const char* found = getenv(name);
-  return found != nullptr && strcmp(found, value) == 0;
-#endif
-}
-
-static int pdl_from_environment() { return env_switch_on("WLLM_PDL") ? 1 : 0; }
+// PDL on or off for launches from now on (on by default; wllm_set_pdl is the tests' hook to launch the
+// way pre-SM 9.0 GPUs do). Atomic because launches may come from several host threads.
+static std::atomic<int> g_pdl_switch(1);
 
 // Per-device properties, filled once (`ready` marks a filled entry). Devices past the table are asked
 // every time. Written at most once per entry with the same values, so a race between threads is benign;
@@ -58,18 +37,6 @@ static int pdl_from_environment() { return env_switch_on("WLLM_PDL") ? 1 : 0; }
 constexpr int kMaxCachedDevices = 64;
 static DeviceProps g_device_props[kMaxCachedDevices];
 static std::atomic<int> g_device_ready[kMaxCachedDevices];
-
-int lazy_setting(std::atomic<int>& setting, int (*from_environment)()) {
-  int value = setting.load(std::memory_order_relaxed);
-  if (value < 0) {
-    int expected = -1;
-    setting.compare_exchange_strong(expected, from_environment());
-    value = setting.load(std::memory_order_relaxed);
-  }
-  return value;
-}
-
-static int pdl_switch() { return lazy_setting(g_pdl_switch, pdl_from_environment); }
 
 int current_device_props(DeviceProps* props) {
   int device = 0;
@@ -101,7 +68,7 @@ int current_device_major() {
   return current_device_props(&props) == WLLM_OK ? props.major : 0;
 }
 
-bool pdl_enabled() { return pdl_switch() && current_device_major() >= 9; }
+bool pdl_enabled() { return g_pdl_switch.load(std::memory_order_relaxed) && current_device_major() >= 9; }
 
 // Does nothing; its attributes tell whether this library carries code for a device.
 __global__ void probe_kernel(int* flag) {
@@ -144,8 +111,4 @@ WLLM_API int WLLM_FN(wllm_device_check)(int device, int* binary_sm, int* ptx_ver
   return WLLM_OK;
 }
 
-WLLM_API int WLLM_FN(wllm_set_pdl)(int enable) {
-  const int previous = WLLM_NS::pdl_switch();
-  WLLM_NS::g_pdl_switch.store(enable != 0 ? 1 : 0);
-  return previous;
-}
+WLLM_API int WLLM_FN(wllm_set_pdl)(int enable) { return WLLM_NS::g_pdl_switch.exchange(enable != 0 ? 1 : 0); }

@@ -73,9 +73,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 //    pre-wait part while this one -- and the kernels before it -- still run. That hides rotary+cache's
 //    dependent, decode attention's chain of seq_len -> block table -> K/V reads, behind the QKV
 //    projection; but when every kernel triggers early, whole layers of prologues run ahead and the
-//    8B decode step got slower (H200: 133.8 -> 158.5 us per layer), so by default only rotary_and_cache
-//    does. WLLM_PDL_EARLY_MASK (build time, bits PdlFamily) chooses the families for measurements.
-// Without a programmatic dependency (no attribute, older GPU, WLLM_PDL=0) all of these are no-ops.
+//    8B decode step got slower (benchmarks/RESULTS.md), so by default only rotary_and_cache does.
+//    WLLM_PDL_EARLY_MASK (build time, bits PdlFamily) chooses the families for measurements.
+// Without a programmatic dependency (no attribute, older GPU, wllm_set_pdl(0)) all of these are no-ops.
 enum PdlFamily { PDL_ROPE = 1, PDL_NORM = 2, PDL_GEMV = 4, PDL_ATTENTION = 8, PDL_ACTIVATION = 16 };
 #ifndef WLLM_PDL_EARLY_MASK
 #define WLLM_PDL_EARLY_MASK 1
@@ -147,7 +147,7 @@ __device__ __forceinline__ void pdl_wait_and_trigger() {
 }
 
 // True when launches on the current device should carry the PDL attribute: the device is sm_90+ and
-// PDL is switched on (WLLM_PDL=0 in the environment switches it off; wllm_set_pdl() at run time).
+// PDL is on (the default; the tests' hook wllm_set_pdl turns it off).
 bool pdl_enabled();
 
 // What launch code needs to know of the current device, read once per device.
@@ -163,16 +163,6 @@ int current_device_props(DeviceProps* props);
 
 // Compute-capability major of the current device, 0 if it cannot be read.
 int current_device_major();
-
-// A process-wide setting read lazily: -1 until first used, then from_environment()'s value (unless a
-// setter stored one first). Atomic because launches may come from several host threads.
-int lazy_setting(std::atomic<int>& setting, int (*from_environment)());
-
-// True when the environment variable `name` is set to exactly `value`.
-bool env_equals(const char* name, const char* value);
-
-// An on-by-default switch from the environment: false only when the variable is "0".
-inline bool env_switch_on(const char* name) { return !env_equals(name, "0"); }
 
 // Launches `kernel` like kernel<<<grid, block, smem, stream>>>(args...), with the programmatic
 // stream serialization attribute when pdl_enabled(). Returns the launch's error (also left for

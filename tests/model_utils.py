@@ -185,10 +185,12 @@ def check_greedy(ours: ModelBase, hf: tf.PreTrainedModel, ids: list[int], n: int
 
 def cuda_gated_mlp(hidden: int, intermediate: int, act: str) -> torch.nn.Module:
     """A bf16 GatedMLP on the GPU with N(0, 1/fan_in) weights (outputs O(1)), drawn from torch's global
-    generator (callers seed it)."""
+    generator (callers seed it), its kernels chosen as the loader chooses them."""
+    from wllm.model.layers.linear_method import select_kernels
     from wllm.model.layers.mlp import GatedMLP
 
     mlp = GatedMLP(hidden, intermediate, act).to("cuda", torch.bfloat16)
     mlp.gate_up_proj.weight.data.normal_(std=hidden**-0.5)
     mlp.down_proj.weight.data.normal_(std=intermediate**-0.5)
+    select_kernels(mlp)
     return mlp

@@ -7,6 +7,7 @@ strided and misaligned inputs, inside a CUDA graph, and the layers' skinny path.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +20,15 @@ from wllm import kernels
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import reference
 from wllm.kernels.gemv import VARIANTS, gemv_variant
-from wllm.model.layers import embedding as embedding_module
-from wllm.model.layers import linear as linear_module
-from wllm.model.layers import mlp as mlp_module
-from wllm.model.layers.embedding import LM_HEAD_GEMV_MAX_ROWS, compute_logits
-from wllm.model.layers.linear import GEMV_MAX_ROWS, Linear
-from wllm.model.layers.mlp import GATED_GEMV_MIN_INTERMEDIATE, GEMV_MAX_FUSED_ROWS
+from wllm.model.layers import linear_method
+from wllm.model.layers.embedding import VocabEmbedding, compute_logits
+from wllm.model.layers.linear import Linear
+from wllm.model.layers.linear_method import SM90, select_kernels
+
+GEMV_MAX_ROWS = SM90.gemv_max_rows
+GEMV_MAX_FUSED_ROWS = SM90.gemv_max_fused_rows
+GATED_GEMV_MIN_INTERMEDIATE = SM90.gated_gemv_min_intermediate
+LM_HEAD_GEMV_MAX_ROWS = SM90.lm_head_gemv_max_rows
 
 DTYPES = [torch.float16, torch.bfloat16]
 ACTIVATIONS = [None, "silu", "gelu_tanh"]
@@ -171,8 +175,9 @@ def test_linear_stays_on_pytorch_on_cpu() -> None:
     layer = Linear(16, 5, bias=True).to(torch.bfloat16)
     layer.weight.data.normal_()
     layer.bias.data.normal_()
+    select_kernels(layer)
     x = torch.randn(1, 16, dtype=torch.bfloat16)
-    assert not layer.use_gemv(x)
+    assert layer.method.plan.gemv_rows == 0
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
@@ -276,17 +281,17 @@ def test_gemv_tensor_core_passes_with_a_remainder_too_wide_for_shared_memory(m) 
 def test_linear_sends_batched_decode_rows_to_the_tensor_core_kernel(rows) -> None:
     """3..GEMV_MMA_MAX_ROWS rows with K a multiple of 32 and a small weight take the skinny GEMM (and match
     F.linear); more rows, K not a multiple of 32 or a larger weight stay on cuBLAS."""
-    layer = Linear(4096, 1000, bias=True).to("cuda", torch.bfloat16)  # 8.2 MB
+    layer = _cuda_linear(4096, 1000, bias=True)  # 8.2 MB
     layer.weight.data.normal_(std=0.02)
     layer.bias.data.normal_()
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
-    expected = rows <= linear_module.GEMV_MMA_MAX_ROWS and torch.cuda.get_device_capability()[0] >= 8
-    assert layer.use_gemv(x) == expected
+    expected = rows <= SM90.gemv_mma_max_rows and torch.cuda.get_device_capability()[0] >= 8
+    assert (rows <= layer.method.plan.gemv_rows) == expected
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
-    odd = Linear(4008, 8).to("cuda", torch.bfloat16)  # K = 4008: a multiple of 8, not of 32
-    assert not odd.use_gemv(torch.randn(rows, 4008, device="cuda", dtype=torch.bfloat16))
-    big = Linear(4096, 2048).to("cuda", torch.bfloat16)  # 16.8 MB
-    assert big.use_gemv(x) == (rows <= linear_module.GEMV_MAX_ROWS)
+    odd = _cuda_linear(4008, 8)  # K = 4008: a multiple of 8, not of 32
+    assert not rows <= odd.method.plan.gemv_rows
+    big = _cuda_linear(4096, 2048)  # 16.8 MB
+    assert (rows <= big.method.plan.gemv_rows) == (rows <= GEMV_MAX_ROWS)
 
 
 @pytest.mark.cuda
@@ -529,6 +534,15 @@ def test_gemv_inside_cuda_graph(activation, m, n, k) -> None:
 # Layers on CUDA
 # ------------------------------------------------------------------------------------------
 
+real_table_for = linear_method.table_for
+
+
+def _cuda_linear(in_features: int, out_features: int, bias: bool = False) -> Linear:
+    """A bf16 Linear on the GPU (uninitialised) with its kernels chosen as the loader chooses them."""
+    layer = Linear(in_features, out_features, bias).to("cuda", torch.bfloat16)
+    select_kernels(layer)
+    return layer
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 17])
@@ -536,14 +550,14 @@ def test_linear_uses_gemv_for_decode_rows(rows: int, monkeypatch) -> None:
     """A 2 MB weight with K a multiple of 32: 1-2 rows take the CUDA-core kernels, 3..GEMV_MMA_MAX_ROWS the
     tensor-core one (SM 8.0+), more rows cuBLAS."""
     calls = []
-    real = linear_module.gemv
-    monkeypatch.setattr(linear_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    layer = Linear(896, 1152, bias=True).to("cuda", torch.bfloat16)
+    real = linear_method.gemv
+    monkeypatch.setattr(linear_method, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    layer = _cuda_linear(896, 1152, bias=True)
     layer.weight.data.normal_(std=896**-0.5)
     layer.bias.data.normal_()
     x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
     out = layer(x)
-    mma = rows <= linear_module.GEMV_MMA_MAX_ROWS and torch.cuda.get_device_capability()[0] >= 8
+    mma = rows <= SM90.gemv_mma_max_rows and torch.cuda.get_device_capability()[0] >= 8
     assert len(calls) == (1 if rows <= GEMV_MAX_ROWS or mma else 0)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=2e-2, atol=2e-2)
 
@@ -553,18 +567,20 @@ def test_linear_uses_gemv_for_decode_rows(rows: int, monkeypatch) -> None:
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("rows", [1, GEMV_MAX_FUSED_ROWS, GEMV_MAX_FUSED_ROWS + 1, GEMV_MAX_ROWS + 5])
 def test_gated_mlp_fuses_the_activation_into_a_gemv(gated: bool, act: str, rows: int, monkeypatch) -> None:
-    """Decode rows: the activation runs inside the gate_up projection's GEMV (at its outputs; large MLPs)
-    or inside the down projection's (on its input; small MLPs or GATED_GEMV off); more rows: act_and_mul."""
-    monkeypatch.setattr(mlp_module, "GATED_GEMV", gated)
-    monkeypatch.setattr(mlp_module, "GATED_GEMV_MIN_INTERMEDIATE", 704)
+    """Decode rows: the activation runs inside the gate_up projection's GEMV (at its outputs; large MLPs,
+    here a table whose bound this small MLP meets) or inside the down projection's (on its input; small
+    MLPs); more rows: act_and_mul."""
+    bound = 704 if gated else 705
+    monkeypatch.setattr(linear_method, "table_for",
+                        lambda cap: dataclasses.replace(real_table_for(cap), gated_gemv_min_intermediate=bound))
     fused = []
-    real = mlp_module.gemv
+    real = linear_method.gemv
 
     def spy(*a, **kw):
         fused.append(("out", kw["output_activation"]) if kw.get("output_activation") else ("in", a[3]))
         return real(*a, **kw)
 
-    monkeypatch.setattr(mlp_module, "gemv", spy)
+    monkeypatch.setattr(linear_method, "gemv", spy)
     torch.manual_seed(5)
     mlp = cuda_gated_mlp(256, 704, act)
     x = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
@@ -582,8 +598,8 @@ def test_gated_mlp_policy_by_size(inter: int, gated: bool, monkeypatch) -> None:
     """By default only MLPs with an intermediate size of at least GATED_GEMV_MIN_INTERMEDIATE move the
     activation to the gate_up projection (where the down projection's K is long)."""
     kinds = []
-    real = mlp_module.gemv
-    monkeypatch.setattr(mlp_module, "gemv",
+    real = linear_method.gemv
+    monkeypatch.setattr(linear_method, "gemv",
                         lambda *a, **kw: kinds.append("out" if kw.get("output_activation") else "in") or real(*a, **kw))
     mlp = cuda_gated_mlp(2048, inter, "silu")
     mlp(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16))
@@ -597,12 +613,15 @@ def test_logits_use_gemv_for_decode_rows(rows: int, vocab: int, hidden: int, mon
     """The lm_head of 1-2 decode rows runs the skinny GEMM (float32 logits of the rounded product, as
     F.linear(...).float() gives); more rows stay on cuBLAS."""
     calls = []
-    real = embedding_module.gemv
-    monkeypatch.setattr(embedding_module, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    real = linear_method.gemv
+    monkeypatch.setattr(linear_method, "gemv", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     torch.manual_seed(3)
-    weight = (torch.randn(vocab, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+    head = VocabEmbedding(vocab, hidden).to("cuda", torch.bfloat16)
+    head.weight.data.copy_(torch.randn(vocab, hidden, device="cuda") / hidden**0.5)
+    select_kernels(head)
+    weight = head.weight
     h = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    logits = compute_logits(h, weight)
+    logits = compute_logits(h, head)
     assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
     assert len(calls) == (1 if rows <= LM_HEAD_GEMV_MAX_ROWS else 0)
     torch.testing.assert_close(logits, F.linear(h, weight).float(), rtol=2e-2, atol=2e-2)
@@ -617,6 +636,5 @@ def test_logits_use_gemv_for_decode_rows(rows: int, vocab: int, hidden: int, mon
     (4096, 4096, 2, False),  # wide K, two rows: cuBLAS
 ])
 def test_linear_gemv_dispatch_follows_the_measurements(in_f: int, out_f: int, rows: int, expect: bool) -> None:
-    layer = Linear(in_f, out_f).to("cuda", torch.bfloat16)
-    x = torch.zeros(rows, in_f, device="cuda", dtype=torch.bfloat16)
-    assert layer.use_gemv(x) is expect
+    layer = _cuda_linear(in_f, out_f)
+    assert (rows <= layer.method.plan.gemv_rows) is expect

@@ -9,16 +9,19 @@ CUDA graph behind the norm with PDL and decode attention after it; a decode laye
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_kernels_rope_cache import naive_rotary_and_cache
 
 from wllm import kernels
-from wllm.engine import cuda_attention
 from wllm.engine.cuda_attention import CudaAttentionContext
 from wllm.engine.cuda_graphs import capture_graph
 from wllm.kernels import reference
 from wllm.kernels.gemv import gemv_rotary_cache
+from wllm.model.layers import linear_method
+from wllm.model.layers.linear_method import select_kernels
 
 TOL = {torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
 
@@ -179,22 +182,22 @@ def test_in_a_graph_behind_the_norm_then_decode_attention(context: int) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fused,max_bytes", [(True, None), (False, None), (True, 1 << 20)])
-def test_decode_layer_takes_the_fused_path(fused: bool, max_bytes: int | None, monkeypatch) -> None:
-    """A bf16 Llama attention layer (12 MB qkv) on a one-row decode step: with WLLM_FUSED_QKV_ROTARY on it
-    runs `gemv_rotary_cache` (no separate rotary_and_cache); off, or with a qkv weight above
-    FUSED_QKV_ROTARY_MAX_BYTES, the old path; all give the same output and cache up to bf16 rounding of
-    the projection's sums."""
+@pytest.mark.parametrize("max_bytes", [None, 1 << 20])
+def test_decode_layer_takes_the_fused_path(max_bytes: int | None, monkeypatch) -> None:
+    """A bf16 Llama attention layer (12 MB qkv) on a one-row decode step runs `gemv_rotary_cache` (no
+    separate rotary_and_cache); with a table whose fused_qkv_rotary_max_bytes is below its qkv weight, the
+    separate kernels; both give the same output and cache up to bf16 rounding of the projection's sums."""
     if max_bytes is not None:
-        monkeypatch.setattr(cuda_attention, "FUSED_QKV_ROTARY_MAX_BYTES", max_bytes)
+        real_table_for = linear_method.table_for
+        monkeypatch.setattr(linear_method, "table_for", lambda cap: dataclasses.replace(
+            real_table_for(cap), fused_qkv_rotary_max_bytes=max_bytes))
     from wllm.model.config import ModelConfig
     from wllm.model.layers import RotaryEmbedding
     from wllm.model.models.llama import DecoderAttention
 
-    monkeypatch.setattr(cuda_attention, "FUSED_QKV_ROTARY", fused)
     calls = []
-    real = cuda_attention.gemv_rotary_cache
-    monkeypatch.setattr(cuda_attention, "gemv_rotary_cache", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = linear_method.gemv_rotary_cache
+    monkeypatch.setattr(linear_method, "gemv_rotary_cache", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
                                   "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 16,
                                   "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 64,
@@ -204,6 +207,7 @@ def test_decode_layer_takes_the_fused_path(fused: bool, max_bytes: int | None, m
                                                                                                   torch.bfloat16)
     for p in layer.parameters():
         p.data.normal_(std=2048**-0.5)
+    select_kernels(layer)
     bs, blocks, context = 16, 8, 70
     kv = torch.randn(1, 2, blocks, bs, 4, 128, device="cuda").to(torch.bfloat16)
     tables = torch.arange(blocks - 1, device="cuda", dtype=torch.int32).view(1, -1)
@@ -215,7 +219,7 @@ def test_decode_layer_takes_the_fused_path(fused: bool, max_bytes: int | None, m
                                max_seq_len=(blocks - 1) * bs)
     hidden = torch.randn(1, 2048, device="cuda").to(torch.bfloat16)
     out = layer(positions, hidden, ctx)
-    assert calls == ([1] if fused and max_bytes is None else [])
+    assert calls == ([1] if max_bytes is None else [])
     # The unfused path from first principles: projection, rotary, cache write, attention, o_proj.
     qkv = reference.gemv(hidden, layer.qkv_proj.weight)
     q, k, v = qkv.split([16 * 128, 4 * 128, 4 * 128], dim=-1)

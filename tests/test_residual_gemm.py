@@ -1,8 +1,11 @@
 """The residual add inside cuBLAS's epilogue (Linear.forward with a residual): o_proj and down_proj add their output
 into the residual stream in the GEMM (beta = 1) so that the RMSNorm after them reads one tensor, not two.
-Where the layer would not run on cuBLAS (CPU, bias, skinny-GEMM batches) nothing changes."""
+Where the layer would not run on cuBLAS (CPU, bias, skinny-GEMM batches) nothing changes; a model computes the
+same logits as with the separate add (the fused add-and-norm), up to rounding."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -10,8 +13,8 @@ import torch.nn.functional as F
 from model_utils import randomize, tiny_hf_model
 
 from wllm.model.contiguous_attention import ContiguousAttention
-from wllm.model.layers import linear as linear_module
 from wllm.model.layers.linear import Linear
+from wllm.model.layers.linear_method import DenseLinearMethod, select_kernels
 from wllm.model.loader import load_model
 
 
@@ -21,7 +24,15 @@ def _linear(k: int, n: int, dtype: torch.dtype, device: str, bias: bool = False)
         layer.weight.normal_(0, k**-0.5)
         if layer.bias is not None:
             layer.bias.normal_()
+    select_kernels(layer)
     return layer
+
+
+def _without_residual_epilogue(module: torch.nn.Module) -> None:
+    """The plans of every dense layer of `module` with the residual add left to the caller."""
+    for layer in module.modules():
+        if isinstance(layer, Linear) and isinstance(layer.method, DenseLinearMethod):
+            layer.method.use_plan(layer, dataclasses.replace(layer.method.plan, adds_residual=False))
 
 
 def _adds(layer: Linear, x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -53,7 +64,7 @@ def test_forward_add_matches_linear_plus_add(dtype, rows, k, n) -> None:
 
 
 @pytest.mark.cuda
-def test_forward_add_declines_where_cublas_does_not_run(monkeypatch) -> None:
+def test_forward_add_declines_where_cublas_does_not_run() -> None:
     x = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn(40, 32, device="cuda", dtype=torch.bfloat16)
     before = residual.clone()
@@ -61,14 +72,14 @@ def test_forward_add_declines_where_cublas_does_not_run(monkeypatch) -> None:
     assert not _adds(_linear(64, 48, torch.bfloat16, "cuda"), x, residual)  # shape mismatch
     assert not _adds(_linear(64, 32, torch.bfloat16, "cuda"), x[:1], residual[:1])  # skinny GEMM
     assert not _adds(_linear(64, 32, torch.bfloat16, "cuda"), x, residual.float())  # dtype
-    monkeypatch.setattr(linear_module, "GEMM_RESIDUAL", False)
-    assert not _adds(_linear(64, 32, torch.bfloat16, "cuda"), x, residual)  # switched off
+    assert not _adds(_linear(64, 32, torch.bfloat16, "cuda"), x.unsqueeze(0), residual.unsqueeze(0))  # 3-D
+    assert not _adds(Linear(64, 32).to("cuda", torch.bfloat16), x, residual)  # kernels not chosen yet
     assert torch.equal(residual, before)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_llama_forward_same_with_and_without_gemm_residual(tmp_path, monkeypatch, dtype) -> None:
+def test_llama_forward_same_with_and_without_gemm_residual(tmp_path, dtype) -> None:
     hf = tiny_hf_model("llama")
     randomize(hf)
     hf.save_pretrained(tmp_path)
@@ -83,7 +94,7 @@ def test_llama_forward_same_with_and_without_gemm_residual(tmp_path, monkeypatch
             return model.compute_logits(model(ids, positions, ctx))
 
     fused = run()
-    monkeypatch.setattr(linear_module, "GEMM_RESIDUAL", False)
+    _without_residual_epilogue(model)
     plain = run()
     tol = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(fused, plain, rtol=tol, atol=tol)

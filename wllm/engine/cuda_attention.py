@@ -19,26 +19,14 @@ Cache layout as in paged_attention.py: `[num_layers, 2, num_blocks, block_size, 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from wllm.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache, rotary_and_cache
-from wllm.kernels.gemv import gated_output_fits, gemv_rotary_cache
 from wllm.kernels.ops import DECODE_HEAD_SIZES, PREFILL_HEAD_SIZES
-from wllm.model.layers.linear import GEMV_MAX_ROWS
+from wllm.model.layers.linear import Linear
 from wllm.model.layers.rotary import RotaryEmbedding
-
-# Decode steps of one or two rows run the qkv projection, the rotary embedding and the KV-cache write as
-# one kernel (`qkv_rotary_attend`) when the qkv weight is at most FUSED_QKV_ROTARY_MAX_BYTES: one launch
-# and one kernel boundary per layer fewer on the batch-1 critical path. H200, `wllm bench latency`, two
-# A/B runs each (RESULTS.md, session 4): Qwen2.5-0.5B (2 MB qkv) 1,248-1,259 -> 1,269-1,271 tok/s; Llama-
-# 3.1-8B (50 MB) 225 -> 224, where the separate GEMV's register prefetch behind the norm hides more than
-# the boundary costs. WLLM_FUSED_QKV_ROTARY=0 keeps them apart everywhere (A/B runs).
-FUSED_QKV_ROTARY = os.environ.get("WLLM_FUSED_QKV_ROTARY", "1") != "0"
-FUSED_QKV_ROTARY_MAX_BYTES = 16 << 20
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -167,7 +155,7 @@ class CudaAttentionContext:
         self,
         layer_idx: int,
         hidden: torch.Tensor,
-        qkv_proj: nn.Module,
+        qkv_proj: Linear,
         positions: torch.Tensor,
         rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
         num_heads: int,
@@ -176,19 +164,17 @@ class CudaAttentionContext:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor | None:
-        """Decode steps whose (small) qkv projection takes the skinny GEMM (1-2 rows): the projection of
-        `hidden` by `qkv_proj` (a Linear over [q | k | v] heads), the rotation and the KV write in one kernel
-        (`gemv_rotary_cache`), then attention [T, Hq, D]. None when that does not apply; the caller then
-        projects and calls `attend_rotary`."""
-        weight = qkv_proj.weight
-        if not (FUSED_QKV_ROTARY and self.decode and type(rotary) is RotaryEmbedding
-                and weight.numel() * weight.element_size() <= FUSED_QKV_ROTARY_MAX_BYTES
-                and hidden.numel() <= GEMV_MAX_ROWS * hidden.shape[-1]  # its kernel takes 2 rows per pass over W
-                and qkv_proj.use_gemv(hidden) and gated_output_fits(weight)):
+        """Decode steps whose qkv projection's linear method fuses the rotation and the KV write into it
+        (`apply_qkv_rotary`: a small weight, 1-2 rows): the projection of `hidden` by `qkv_proj` (over
+        [q | k | v] heads), the rotation and the KV write in one kernel, then attention [T, Hq, D]. None when
+        that does not apply; the caller then projects and calls `attend_rotary`."""
+        if not (self.decode and type(rotary) is RotaryEmbedding):
             return None
         key_cache, value_cache = self.caches[layer_idx]
-        q = gemv_rotary_cache(hidden, qkv_proj.weight, qkv_proj.bias, positions, self.slot_mapping,
-                              rotary.cos_sin_cache(hidden.device), key_cache, value_cache, num_heads, rotary.is_neox)
+        q = qkv_proj.method.apply_qkv_rotary(qkv_proj, hidden, positions, self.slot_mapping, rotary, key_cache,
+                                             value_cache, num_heads)
+        if q is None:
+            return None
         return self._attention(q, key_cache, value_cache, scale, sliding_window, logit_softcap)
 
     def _attention(self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,

@@ -10,7 +10,6 @@ from wllm.kernels._lib import (
     set_pdl,
     set_prefill_sm90,
 )
-from wllm.kernels.gemm_sm90 import gemm_sm90
 from wllm.kernels.gemv import gemv
 from wllm.kernels.ops import (
     act_and_mul,
@@ -39,7 +38,6 @@ __all__ = [
     "decode_workspace_size",
     "fused_add_rms_norm",
     "gelu_tanh_and_mul",
-    "gemm_sm90",
     "gemv",
     "pack_sampling_rows",
     "paged_decode_attention",

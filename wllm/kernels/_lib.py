@@ -17,7 +17,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 LIB_NAME = "wllm_kernels.dll" if sys.platform == "win32" else "libwllm_kernels.so"
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 WLLM_OK = 0
 WLLM_ERR_NO_KERNEL_IMAGE = 3
@@ -26,7 +26,7 @@ DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 
 c_int, c_int64, c_float, c_void_p = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
-# name -> argument types (all functions return int status, except wllm_last_error and the wllm_set_* switches).
+# name -> argument types (all functions return int status, except wllm_last_error and the wllm_set_* test hooks).
 SIGNATURES: dict[str, list] = {
     "wllm_abi_version": [],
     "wllm_device_check": [c_int, ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
@@ -63,18 +63,10 @@ SIGNATURES: dict[str, list] = {
     "wllm_gemv_rotary_cache": [c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64,
                                c_void_p, c_void_p, c_void_p, c_int64, c_int, c_void_p, c_void_p, c_int64, c_int, c_int,
                                c_int, c_int, c_int64, c_int64, c_int64, c_int, c_int, c_void_p],
-    # Hopper GEMM with a gated-activation epilogue (gemm_sm90.cu); _supported returns 0/1, not a status.
-    "wllm_gemm_sm90": [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int64, c_int64, c_int,
-                       c_int, c_void_p, c_int64, c_int, c_void_p],
-    "wllm_gemm_sm90_supported": [],
-    "wllm_gemm_sm90_workspace_size": [ctypes.POINTER(c_int64)],
-    # Programmatic Dependent Launch switch (returns the previous setting, not a status).
+    # Test hooks (tests/test_kernels_*.py): each returns the previous setting, not a status.
     "wllm_set_pdl": [c_int],
-    # Tensor-core decode attention switch (returns the previous setting).
     "wllm_set_decode_mma": [c_int],
-    # Decode attention's TMA-tile switch (returns the previous mode).
     "wllm_set_decode_tma": [c_int],
-    # Hopper prefill-attention switch (returns the previous setting).
     "wllm_set_prefill_sm90": [c_int],
     "wllm_sample_workspace_size": [ctypes.POINTER(c_int64)],
     "wllm_sample": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
@@ -214,30 +206,32 @@ def available(device: int = 0) -> bool:
         return False
 
 
+# Test hooks. Each turns a default kernel choice off (or back on) for launches made from now on, process-wide,
+# so that the tests on one GPU also cover the kernels other GPUs run by default; outputs are unchanged. They
+# are not settings for users (the engine never calls them) and return the previous setting.
+
+
 def set_pdl(enabled: bool, device: int = 0) -> bool:
-    """Turn Programmatic Dependent Launch (sm_90+: a decode-path kernel may start its independent prologue
-    while the kernel before it finishes) on or off for launches made from now on; returns the previous
-    setting. Results are bit-identical either way; a CUDA graph keeps the setting it was captured with.
-    The environment variable WLLM_PDL=0 sets the initial state to off."""
+    """Launch with Programmatic Dependent Launch (the default on sm_90+: a decode-path kernel may start its
+    independent prologue while the kernel before it finishes) or without it, as older GPUs do. Results are
+    bit-identical either way; a CUDA graph keeps the setting it was captured with."""
     return bool(binding(device).wllm_set_pdl(1 if enabled else 0))
 
 
 def set_decode_mma(enabled: bool, small_batch: bool = False, device: int = 0) -> bool:
     """Run paged decode attention on tensor cores (sm_80+, fp16/bf16, head sizes up to 128) or on the FMA
-    kernel that older GPUs, fp32 and head size 256 use, for launches made from now on. By default
-    (enabled, small_batch=False) small batches (a few sequences) stay on the FMA kernel, which measured as
-    fast there; small_batch=True uses tensor cores for them too. Returns whether tensor cores were on
-    before. WLLM_DECODE_MMA=0 / WLLM_DECODE_MMA_SMALL_BATCH=1 in the environment set the initial state."""
+    kernel that older GPUs, fp32 and head size 256 use. By default (enabled, small_batch=False) small batches
+    (a few sequences) stay on the FMA kernel; small_batch=True runs them on the tensor cores' latency variant
+    too. Returns whether tensor cores were on before."""
     mode = (1 if small_batch else 2) if enabled else 0
     return bool(binding(device).wllm_set_decode_mma(mode))
 
 
 def set_decode_tma(mode: str, device: int = 0) -> str:
     """How paged decode attention's tensor-core kernel takes its K/V tiles on SM 9.0 (head sizes 64 and
-    128, no sliding window), for launches made from now on: "persistent" (the default: calls without
-    splits run on a resident grid whose CTAs stream unit after unit, the rest one CTA per sequence and KV
-    head), "per-cta" (one CTA per unit everywhere) or "off" (per-row bulk copies). Returns the previous
-    mode. WLLM_DECODE_TMA=0 / =1 in the environment start with "off" / "per-cta"."""
+    128, no sliding window): "persistent" (the default: calls without splits run on a resident grid whose
+    CTAs stream unit after unit, the rest one CTA per sequence and KV head), "per-cta" (one CTA per unit
+    everywhere) or "off" (per-row bulk copies, as other tensor-core GPUs run it). Returns the previous mode."""
     modes = ("off", "per-cta", "persistent")
     if mode not in modes:
         raise ValueError(f"decode TMA mode must be one of {', '.join(modes)}, got {mode!r}")
@@ -246,6 +240,6 @@ def set_decode_tma(mode: str, device: int = 0) -> str:
 
 def set_prefill_sm90(enabled: bool, device: int = 0) -> bool:
     """Run paged prefill attention on SM 9.0 GPUs (fp16/bf16, head sizes 64 and 128) with the Hopper
-    warpgroup-MMA kernel (the default) or the mma.sync kernel other tensor-core GPUs use, for launches made
-    from now on; returns the previous setting. WLLM_PREFILL_SM90=0 in the environment starts with it off."""
+    warpgroup-MMA kernel (the default) or the mma.sync kernel other tensor-core GPUs use; returns the
+    previous setting."""
     return bool(binding(device).wllm_set_prefill_sm90(1 if enabled else 0))

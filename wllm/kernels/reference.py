@@ -210,14 +210,6 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     return (act * up).to(x.dtype)
 
 
-def gemm(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
-    """x @ weight^T in fp32, rounded once to x's dtype. With an activation ("silu" or "gelu_tanh") weight is
-    [gate rows | up rows] and the result is act(x @ gate^T) * (x @ up^T) of the fp32 products, rounded once:
-    [..., out / 2] (the SM 9.0 GEMM's gated epilogue)."""
-    y = x.float() @ weight.float().t()
-    return y.to(x.dtype) if activation is None else act_and_mul(y, activation).to(x.dtype)
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          activation: str | None = None, output_activation: str | None = None) -> torch.Tensor:
     """x @ weight^T (+ bias) in fp32, rounded once to x's dtype; weight is [out, in] as nn.Linear stores it.

@@ -2,31 +2,27 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wllm.kernels import available as kernels_available
-from wllm.kernels import gemv
-from wllm.kernels.gemv import GEMV_MAX_IN_FEATURES
-
-# Decode logits (1-2 rows) through the skinny-GEMM kernel instead of cuBLAS: the vocabulary matrix is the
-# largest single read of a decode step (1 GB for Llama-3.1-8B). WLLM_LM_HEAD_GEMV=0 keeps cuBLAS (A/B
-# runs). Measured on the H200 (RESULTS.md, session 4).
-LM_HEAD_GEMV = os.environ.get("WLLM_LM_HEAD_GEMV", "1") != "0"
-LM_HEAD_GEMV_MAX_ROWS = 2
+from wllm.model.layers.linear import Linear
+from wllm.model.layers.linear_method import DenseLinearMethod, KernelChoice, KernelTarget, LinearMethod
 
 
-class VocabEmbedding(nn.Module):
-    """Embedding table [num_embeddings, dim]; also the LM head weight when embeddings are tied."""
+class VocabEmbedding(KernelChoice, nn.Module):
+    """Embedding table [num_embeddings, dim]; also the LM head weight when embeddings are tied, which is why
+    it carries a linear method (the table is the head's [vocab, dim] weight)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, method: LinearMethod | None = None) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.method = DenseLinearMethod() if method is None else method
+        self.method.create_weights(self, embedding_dim, num_embeddings, bias=False)
+
+    def choose_kernels(self, target: KernelTarget | None) -> None:
+        self.method.process_weights_after_loading(self, target)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
@@ -35,16 +31,13 @@ class VocabEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-def compute_logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: float | None = None,
+def compute_logits(hidden: torch.Tensor, head: Linear | VocabEmbedding, softcap: float | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 logits [N, vocab] = hidden @ weight^T, then c * tanh(logits / c) when softcap = c. With
-    `out` (float32 [N, vocab]) they are written there (the cast to float32 writes it: no extra pass)."""
-    if (LM_HEAD_GEMV and hidden.is_cuda and hidden.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == hidden.dtype and 0 < hidden.numel() <= LM_HEAD_GEMV_MAX_ROWS * hidden.shape[-1]
-            and weight.shape[1] <= GEMV_MAX_IN_FEATURES and kernels_available(hidden.device.index or 0)):
-        raw = gemv(hidden, weight)
-    else:
-        raw = F.linear(hidden, weight)
+    """float32 logits [N, vocab] = hidden @ W^T of the LM head (a Linear, or the tied embedding), then
+    c * tanh(logits / c) when softcap = c. With `out` (float32 [N, vocab]) they are written there (the cast
+    to float32 writes it: no extra pass). Decode rows run on the skinny GEMM where the head's method says so:
+    the vocabulary matrix is the largest single read of a decode step."""
+    raw = head.method.apply_logits(head, hidden)
     logits = raw.float() if out is None else out.copy_(raw)  # a fresh fp32 tensor either way: capped in place
     if softcap is not None:
         logits.div_(softcap).tanh_().mul_(softcap)

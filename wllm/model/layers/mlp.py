@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wllm.kernels import act_and_mul, gemm_sm90, gemv
-from wllm.kernels import available as kernels_available
-from wllm.kernels.gemv import gated_output_fits
 from wllm.model.layers.linear import Linear, MergedLinear
+from wllm.model.layers.linear_method import KernelChoice, KernelTarget
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -23,23 +20,6 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
-
-# Up to this many rows, the activation runs inside the down projection's skinny GEMM (no separate
-# act_and_mul kernel). Each CTA of that kernel recomputes the activation for its own copy of x, a
-# cost that grows with the rows; above this the separate kernel is cheaper. Measured on the H200
-# (benchmarks/kernels_gemv.py, "down+act" rows): Qwen2.5-0.5B's down 6.7 vs 9.7 us (act + cuBLAS)
-# at 1 row, 8.3 vs 9.8 at 2, a loss at 4. The weight-size bound of Linear.use_gemv applies too.
-GEMV_MAX_FUSED_ROWS = 2
-
-# Up to GEMV_MAX_FUSED_ROWS rows and for intermediate sizes of at least GATED_GEMV_MIN_INTERMEDIATE, the
-# activation is applied by the gate_up projection's skinny GEMM at its outputs (it reads [gate | up] rows of
-# W together and writes act(gate) * up once) rather than by every CTA of the down projection for its copy
-# of x. H200, behind the kernel that writes x (benchmarks/kernels_gemv.py, RESULTS.md session 4): Llama's
-# down (K = 14336) 32.4 us with SiLU on x vs 28.5 plain, for 1.8 us more in gate_up; Qwen's (K = 4864)
-# 4.3 us vs 4.7, so small MLPs keep the activation in the down projection. WLLM_GATED_GEMV=0 turns it off
-# (A/B runs).
-GATED_GEMV = os.environ.get("WLLM_GATED_GEMV", "1") != "0"
-GATED_GEMV_MIN_INTERMEDIATE = 8192
 
 # HF activation names the fused act-and-mul kernel computes (the others stay in PyTorch).
 _FUSED: dict[str, str] = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh",
@@ -54,13 +34,13 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}") from None
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(KernelChoice, nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (`gate_up_proj`).
 
-    On CUDA (kernel library present) act(gate) * up is one fused kernel over the [gate | up]
-    output; for decode-sized batches it is fused further, into the gate_up projection's skinny GEMM
-    (which writes act(gate) * up) or else the down projection's (which applies it to its input): no
-    activation kernel at all. On the CPU it stays in PyTorch, unchanged.
+    Where the kernel library runs, act(gate) * up is one fused kernel over the [gate | up] output; for
+    decode-sized batches it is fused further, into the gate_up projection's kernel (which writes
+    act(gate) * up) or else the down projection's (which applies it to its input): no activation kernel at
+    all. The two layers' linear methods say for how many rows. Elsewhere (the CPU) it stays in PyTorch.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False) -> None:
@@ -69,27 +49,21 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
         self.act = get_activation(act)
         self.fused_act = _FUSED.get(act)
+        # The activation the kernels compute, once select_kernels found them on the weights' device.
+        self.kernel_act: str | None = None
+
+    def choose_kernels(self, target: KernelTarget | None) -> None:
+        self.kernel_act = self.fused_act if target is not None and target.kernels else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """The MLP's output; None when it went straight into `residual` (given, and the down projection
         on cuBLAS: see Linear.forward)."""
-        if self.fused_act is not None and x.is_cuda and kernels_available(x.device.index or 0):
-            gate_up_proj = self.gate_up_proj
-            if gate_up_proj.use_sm90(x):
-                # The Hopper GEMM's epilogue gates its fp32 accumulators: no [rows, 2 I] intermediate and
-                # no activation kernel (linear.SM90_GEMM_ROWS says for which batches).
-                return self.down_proj(gemm_sm90(x, gate_up_proj.weight, self.fused_act))
-            if (GATED_GEMV and self.down_proj.in_features >= GATED_GEMV_MIN_INTERMEDIATE
-                    and x.numel() <= GEMV_MAX_FUSED_ROWS * x.shape[-1] and gate_up_proj.use_gemv(x)
-                    and gated_output_fits(gate_up_proj.weight)):
-                return self.down_proj(gemv(x, gate_up_proj.weight, gate_up_proj.bias,
-                                           output_activation=self.fused_act))
-        gate_up = self.gate_up_proj(x)
-        if self.fused_act is not None and gate_up.is_cuda and kernels_available(gate_up.device.index or 0):
-            down = self.down_proj
-            few_rows = gate_up.numel() <= GEMV_MAX_FUSED_ROWS * gate_up.shape[-1]
-            if few_rows and down.use_gemv(gate_up, 2 * down.in_features):
-                return gemv(gate_up, down.weight, down.bias, self.fused_act)
-            return down(act_and_mul(gate_up, self.fused_act), residual)
-        gate, up = self.gate_up_proj.split(gate_up)
-        return self.down_proj(self.act(gate) * up)
+        act = self.kernel_act
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
+        if act is None:
+            gate, up = gate_up_proj.split(gate_up_proj(x))
+            return down_proj(self.act(gate) * up)
+        gated = gate_up_proj.method.apply_gated(gate_up_proj, x, act)
+        if gated is not None:
+            return down_proj(gated)
+        return down_proj.method.apply_activated(down_proj, gate_up_proj(x), act, residual)

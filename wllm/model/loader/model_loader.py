@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from wllm.model.config import ConfigError, ModelConfig, parse_dtype
+from wllm.model.layers.linear_method import select_kernels
 from wllm.model.loader.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_weights
 from wllm.model.loader.errors import ModelLoadError
 from wllm.model.loader.hf_source import ResolvedSource, resolve_source
@@ -106,15 +107,20 @@ def load_model(
     dev = resolve_device(device)
     text = os.fspath(source)
     if load_format == "dummy":
-        return _load_dummy(text, dtype, dev, revision)
-    resolved = resolve_source(text, revision)
-    if load_format == "gguf" and resolved.kind != "gguf":
-        raise ModelLoadError(f"{resolved.path}: load_format='gguf' but this is not a GGUF file")
-    if load_format == "safetensors" and resolved.kind != "hf":
-        raise ModelLoadError(f"{resolved.path}: load_format='safetensors' but this is a GGUF file")
-    if resolved.kind == "gguf":
-        return _load_gguf(text, resolved.path, dtype, dev)
-    return _load_hf(text, resolved, dtype, dev)
+        loaded = _load_dummy(text, dtype, dev, revision)
+    else:
+        resolved = resolve_source(text, revision)
+        if load_format == "gguf" and resolved.kind != "gguf":
+            raise ModelLoadError(f"{resolved.path}: load_format='gguf' but this is not a GGUF file")
+        if load_format == "safetensors" and resolved.kind != "hf":
+            raise ModelLoadError(f"{resolved.path}: load_format='safetensors' but this is a GGUF file")
+        if resolved.kind == "gguf":
+            loaded = _load_gguf(text, resolved.path, dtype, dev)
+        else:
+            loaded = _load_hf(text, resolved, dtype, dev)
+    # The weights are final and on their device: every layer's linear method picks its kernels now.
+    select_kernels(loaded.model)
+    return loaded
 
 
 if load_model.__doc__:

@@ -214,8 +214,8 @@ class LlamaForCausalLM(ModelBase):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [N, vocab] (into `out` when given); final logit softcap applied when the config
         has one."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return compute_logits(hidden, weight, self.config.final_logit_softcapping, out)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return compute_logits(hidden, head, self.config.final_logit_softcapping, out)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

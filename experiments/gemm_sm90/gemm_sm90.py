@@ -8,8 +8,11 @@ design and the measurements), so the activation comes for free. At decode sizes 
 stream-K schedule splits the k-blocks of all output tiles evenly over the SMs, with fp32 partial sums
 through a per-device workspace, where whole tiles would leave SMs idle.
 
-SM 9.0 GPUs only (`supported`); `reference.gemm` computes the same thing elsewhere. The op is also a
+SM 9.0 GPUs only (`supported`); `reference_gemm` computes the same thing elsewhere. The op is also a
 `torch.library.custom_op` (`wllm::gemm_sm90`) for torch.compile; eager CUDA calls take the raw binding.
+
+Kept out of the shipped package (see README.md here): to run it again, put gemm_sm90.cu back into csrc/,
+its three entry points back into csrc/api.h and their signatures into wllm/kernels/_lib.py's SIGNATURES.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import functools
 
 import torch
 
-from wllm.kernels import _lib, reference
+from wllm.kernels import _lib
 
 # The C ABI's dtype and activation codes, the same as wllm_gemv's (its prologue codes are our epilogues).
 from wllm.kernels.gemv import _DTYPES
 from wllm.kernels.gemv import PROLOGUES as EPILOGUES
 from wllm.kernels.ops import _is_compiling, _rows, _stream, persistent_workspace
+from wllm.kernels.reference import act_and_mul
 
 # The C ABI's schedule codes: auto chooses stream-K where whole tiles would leave SMs idle.
 SCHEDULES: dict[str, int] = {"auto": 0, "tiles": 1, "stream_k": 2}
@@ -70,6 +74,14 @@ def _check(x: torch.Tensor, weight: torch.Tensor, activation: str | None, schedu
     return weight.shape[0] if activation is None else weight.shape[0] // 2
 
 
+def reference_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    """x @ weight^T in fp32, rounded once to x's dtype. With an activation ("silu" or "gelu_tanh") weight is
+    [gate rows | up rows] and the result is act(x @ gate^T) * (x @ up^T) of the fp32 products, rounded once:
+    [..., out / 2] (the kernel's gated epilogue)."""
+    y = x.float() @ weight.float().t()
+    return y.to(x.dtype) if activation is None else act_and_mul(y, activation).to(x.dtype)
+
+
 # The stream-K workspace per device (128 KB per SM; without one, e.g. captured first, whole tiles only).
 _WORKSPACES: dict[int, torch.Tensor] = {}
 
@@ -94,7 +106,7 @@ def _cuda_gemm(x: torch.Tensor, weight: torch.Tensor, activation: str | None, sc
 
 @torch.library.custom_op("wllm::gemm_sm90", mutates_args=())
 def gemm_sm90_op(x: torch.Tensor, weight: torch.Tensor, activation: str | None, schedule: str) -> torch.Tensor:
-    return _cuda_gemm(x, weight, activation, schedule) if x.is_cuda else reference.gemm(x, weight, activation)
+    return _cuda_gemm(x, weight, activation, schedule) if x.is_cuda else reference_gemm(x, weight, activation)
 
 
 @gemm_sm90_op.register_fake
@@ -111,7 +123,7 @@ def gemm_sm90(x: torch.Tensor, weight: torch.Tensor, activation: str | None = No
     "stream_k" (for measurements and tests; the result is the same up to fp32 summation order)."""
     if not x.is_cuda or not supported(x.device.index or 0):
         _check(x, weight, activation, schedule)
-        return reference.gemm(x, weight, activation)
+        return reference_gemm(x, weight, activation)
     if _is_compiling():
         return gemm_sm90_op(x, weight, activation, schedule)
     return _cuda_gemm(x, weight, activation, schedule)
