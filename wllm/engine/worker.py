@@ -22,6 +22,7 @@ from wllm.engine.cuda_runner import CudaStepRunner
 from wllm.engine.paged_attention import allocate_kv_cache, copy_blocks, kv_cache_bytes_per_block, swap_blocks
 from wllm.engine.step_plan import RowResult, StepPlan
 from wllm.engine.torch_runner import TorchStepRunner
+from wllm.model.layers.linear_method import select_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class Worker:
             raise TypeError(f"{type(model).__name__} has no `config` with the layer shapes the KV cache needs")
         self.model = model
         self.device = model_device(model)
+        if self.device.type == "cuda":
+            # The loader chose each layer's kernels; a model built or moved another way gets them here.
+            select_kernels(model)
         self.dtype = dtype or model_dtype(model)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
