@@ -13,11 +13,11 @@ import random
 import time
 
 import pytest
+from fake_engine import FloodEngine
 
 from wllm.engine.async_engine import AsyncEngine, EngineDeadError
 from wllm.engine.engine_process import EngineProcess, _DeltaEncoder, _Request
 from wllm.engine.llm_engine import LLMEngine
-from wllm.entrypoints.openai.fake_engine import FloodEngine
 from wllm.model.default_model import default_model_path
 from wllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepLogprobs, TokenLogprob
 from wllm.sampling_params import SamplingParams
