@@ -6,7 +6,7 @@ per step (no GIL held, like a GPU step). `serve_load.py`'s streaming clients run
 processes, so this process's CPU time over a level (`time.process_time()`: event loop + engine thread) is
 the front end's alone; with `--engine-process` the stand-in runs in a spawned child, as the real engine
 does on CUDA, and the number is the server process's share. On a busy serving host that CPU time, not the
-GPU, bounds throughput at high concurrency (RESULTS.md, sessions 20-22): the number to watch when the
+GPU, bounds throughput at high concurrency (benchmarks/RESULTS.md): the number to watch when the
 request path changes.
 
     python benchmarks/frontend_cpu.py --levels 16,64 --requests-per-client 16
