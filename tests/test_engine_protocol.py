@@ -6,12 +6,15 @@ and the test double ScriptedEngine. Compatible means what a type checker would a
 protocol: each protocol parameter exists with the same name, kind and position (a keyword-only one may be
 positional-or-keyword in the implementation), has a default where the protocol's has one, and its
 annotation's union members are among the implementation's; any extra parameter has a default; return
-annotations agree unless the protocol's says Any. Data members are checked on instances.
+annotations agree unless the protocol's says Any. Data members are checked on instances. Where mypy is
+installed, it checks the same assignments statically too (`test_mypy_agrees`; skipped without it).
 """
 
 from __future__ import annotations
 
 import inspect
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,3 +149,55 @@ def test_data_members(tmp_path_factory: pytest.TempPathFactory) -> None:
         process.close()
         engine.close()
     assert not process.is_alive() and not engine.is_alive()
+
+
+# Third-party packages mypy would otherwise read through (torch alone takes most of a minute): their types
+# are Any here, which is all this check needs; wllm's own modules are read, silently.
+_SKIPPED = ["torch", "numpy", "transformers", "litestar", "opentelemetry", "prometheus_client", "jinja2",
+            "tokenizers", "sentencepiece", "safetensors", "gguf", "huggingface_hub", "uvicorn", "httpx"]
+
+
+def test_mypy_agrees(tmp_path: Path) -> None:
+    """mypy accepts each implementation where its protocol is expected, and rejects a class that lacks
+    members (so the check is not vacuous)."""
+    api = pytest.importorskip("mypy.api")
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "mypy.ini").write_text(textwrap.dedent(f"""\
+        [mypy]
+        mypy_path = {root}, {root / "tests"}
+        follow_imports = silent
+        ignore_missing_imports = True
+        cache_dir = {tmp_path / "cache"}
+        [mypy-{",".join(m + ".*" for m in _SKIPPED)}]
+        follow_imports = skip
+        """))
+    (tmp_path / "conformance.py").write_text(textwrap.dedent("""\
+        from fake_engine import FloodEngine, ScriptedEngine
+
+        from wllm.engine.async_engine import AsyncEngine
+        from wllm.engine.engine_process import EngineProcess
+        from wllm.engine.llm_engine import LLMEngine
+        from wllm.engine.protocol import EngineCore
+        from wllm.entrypoints.openai.engine_client import EngineClient
+
+
+        class Lacking:
+            def step_deltas(self) -> list[int]:
+                return []
+
+
+        def core(a: LLMEngine, b: EngineProcess, c: FloodEngine) -> list[EngineCore]:
+            return [a, b, c]
+
+
+        def client(a: AsyncEngine, b: ScriptedEngine) -> list[EngineClient]:
+            return [a, b]
+
+
+        def lacking(a: Lacking) -> EngineCore:
+            return a  # line 24: the one error
+        """))
+    out, err, status = api.run(["--config-file", str(tmp_path / "mypy.ini"), "--no-error-summary",
+                                "--hide-error-context", str(tmp_path / "conformance.py")])
+    errors = [line for line in out.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and "conformance.py:24:" in errors[0], out + err

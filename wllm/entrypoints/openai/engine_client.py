@@ -51,8 +51,11 @@ class TokenizerLike(Protocol):
 class EngineClient(Protocol):
     """The engine as the server sees it."""
 
-    tokenizer: TokenizerLike
-    max_model_len: int
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def max_model_len(self) -> int: ...
 
     def generate(
         self,
