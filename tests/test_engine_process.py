@@ -261,10 +261,10 @@ def _flood_engine(**kwargs) -> AsyncEngine:
 
 
 def test_commands_and_results_never_wait_on_each_other():
-    """~3 MB of prompts go to the child while it sends them back in its first outputs (as prompt logprobs),
-    far more than a pipe holds either way. A parent thread that sent commands and read results in turn deadlocked here
-    (each side blocked sending into a full pipe, the other not reading), as `wllm serve --engine-process`
-    did on the H200 at 256 clients; the sender thread keeps the reader reading."""
+    """Megabytes of prompts go to the child while it sends them back in its first outputs (as prompt
+    logprobs), far more than a pipe holds either way. A parent thread that sent commands and read results in
+    turn deadlocked here (each side blocked sending into a full pipe, the other not reading), as `wllm serve
+    --engine-process` once did under many clients; the sender thread keeps the reader reading."""
     engine = _flood_engine(step_delay=0.002)
     prompts = [list(range(i, i + 4000)) for i in range(200)]
 
