@@ -336,3 +336,35 @@ def test_an_id_reused_right_after_its_abort_gets_only_its_own_outputs():
             assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     finally:
         engine.shutdown(close_engine=True)
+
+
+def test_every_message_crosses_as_a_typed_struct():
+    """Commands and replies round-trip through msgpack as the tagged Structs they are; errors keep the class
+    the server maps to a status (ValueError 400, QueueFullError 503) and their message."""
+    from wllm.engine.engine_process import (
+        Aborted,
+        AbortRequest,
+        AddRequest,
+        Command,
+        EngineFailed,
+        EngineProcessError,
+        Rejected,
+        RemoteError,
+        Reply,
+        Shutdown,
+        StepOutputs,
+    )
+    from wllm.engine.request import QueueFullError
+    from wllm.outputs import CompletionDelta
+
+    enc = msgspec.msgpack.Encoder()
+    commands = [AddRequest("a#0", [1, 2], SamplingParams(n=2, stop=["x"], logit_bias={5: -1.0}), 3, "salt", 1.5),
+                AbortRequest("a#0"), Shutdown()]
+    assert [msgspec.msgpack.decode(enc.encode(c), type=Command) for c in commands] == commands
+    delta = RequestDelta("a#0", [CompletionDelta(0, "hi", [4], [_lp(4)], -0.5, "stop", "x")], True, 2,
+                         [None, _lp(2)], RequestMetrics(arrival_time=1.0, first_token_time=2.0))
+    replies = [StepOutputs([delta], {"num_running": 1, "kv_cache_usage": 0.5}, 0), Aborted("a#0", {}),
+               Rejected("a#0", RemoteError.of(ValueError("bad")), {}), EngineFailed(RemoteError.of(KeyError("k")))]
+    assert [msgspec.msgpack.decode(enc.encode(r), type=Reply) for r in replies] == replies
+    errors = [RemoteError.of(e).exception() for e in (ValueError("v"), QueueFullError("q"), OSError("o"))]
+    assert [(type(e), str(e)) for e in errors] == [(ValueError, "v"), (QueueFullError, "q"), (EngineProcessError, "o")]
