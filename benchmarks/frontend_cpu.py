@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import uvicorn
 from serve_load import run_level_procs
@@ -26,7 +28,11 @@ from serve_load import run_level_procs
 from wllm.engine.async_engine import AsyncEngine
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.fake_engine import FloodEngine
+
+# The model-free stand-in engine is a test double: it lives in the repository's tests/, not in the package.
+# The spawned engine process inherits this sys.path, so it finds the factory there too.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fake_engine import FloodEngine  # noqa: E402
 
 
 def start_server(step_ms: float, process: bool, http: str) -> tuple[uvicorn.Server, threading.Thread, AsyncEngine, str]:

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fake_engine import ScriptedEngine
 from litestar.testing import TestClient
 
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.fake_engine import ScriptedEngine
 
 HOSTILE: list[Any] = [None, -1, 0, 2**70, -(2**70), 1e308, -0.5, "x", "", [], {}, [1, "a", None], True,
                       "\u0000\ud7ff" * 3, "y" * 5000, {"type": "text", "text": None}]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
+from fake_engine import ScriptedEngine  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
 from wllm.entrypoints.openai.app import create_app  # noqa: E402
 from wllm.entrypoints.openai.config import ServerConfig  # noqa: E402
-from wllm.entrypoints.openai.fake_engine import ScriptedEngine  # noqa: E402
 
 app = create_app(ScriptedEngine(max_model_len=64), ServerConfig(served_model_names=["tiny"]))
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)

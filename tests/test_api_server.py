@@ -6,11 +6,11 @@ import json
 from collections.abc import Iterator
 
 import pytest
+from fake_engine import ScriptedEngine
 from litestar.testing import TestClient
 
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.fake_engine import ScriptedEngine
 from wllm.sampling_params import SamplingParams
 
 REPLY = "Hello! I am a scripted reply."
@@ -385,7 +385,8 @@ def test_tokenize_detokenize_version_openapi(client: TestClient) -> None:
 
 
 def test_logprob_bytes_are_exact_for_partial_characters() -> None:
-    from wllm.entrypoints.openai.fake_engine import CharTokenizer
+    from fake_engine import CharTokenizer
+
     from wllm.entrypoints.openai.serving_common import ServerContext
     from wllm.observability.metrics import ServerMetrics
 

@@ -13,6 +13,7 @@ from wllm.engine.async_engine import AsyncEngine, EngineDeadError
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from wllm.engine.llm_engine import LLMEngine
 from wllm.engine.request import QueueFullError
+from wllm.outputs import CompletionDelta, OutputAccumulator, RequestDelta
 from wllm.sampling_params import SamplingParams
 
 
@@ -23,7 +24,12 @@ def async_engine(model, max_waiting=0, failures=3):
 
 
 async def collect(engine, rid, prompt, params=GREEDY):
-    outs = [o async for o in engine.generate(prompt, params, rid)]
+    """The request's output after each delta it streamed (deltas accumulated, as a consumer does)."""
+    acc = OutputAccumulator(rid, list(prompt))
+    outs = []
+    async for delta in engine.generate(prompt, params, rid):
+        acc.add(delta)
+        outs.append(acc.output())
     return outs
 
 
@@ -160,17 +166,16 @@ def test_abort_frees_blocks_and_stats_show_it_while_idle(tmp_path_factory):
     assert_all_free(engine.engine)
 
 
-def test_a_slow_consumer_gets_the_newest_output_not_a_backlog():
-    """The engine thread publishes outputs faster than the consumer takes them: the consumer sees a rising
-    subset that always ends with the finished output, each one the newest at the time; an error is final."""
+def test_a_slow_consumer_gets_what_it_missed_merged_not_a_backlog():
+    """The engine thread publishes deltas faster than the consumer takes them: the consumer gets fewer,
+    merged deltas that together say exactly what was published, the last one finished; an error is final."""
     import threading
     import time
 
     from wllm.engine.async_engine import _Stream
-    from wllm.outputs import CompletionOutput, RequestOutput
 
-    def output(n, finished=False):
-        return RequestOutput("r", [1], [CompletionOutput(0, "x" * n, list(range(n)))], finished=finished)
+    def output(n, finished=False):  # the n-th token's delta
+        return RequestDelta("r", [CompletionDelta(0, "x" if n % 3 else "yz", [n - 1])], finished=finished)
 
     async def main():
         stream = _Stream(asyncio.get_running_loop())
@@ -181,17 +186,20 @@ def test_a_slow_consumer_gets_the_newest_output_not_a_backlog():
 
         thread = threading.Thread(target=produce)
         thread.start()
-        seen = []
+        seen, ids, text = [], [], ""
         async for item in stream:
-            seen.append(len(item.outputs[0].token_ids))
+            ids += item.outputs[0].token_ids
+            text += item.outputs[0].text
+            seen.append(len(ids))
             time.sleep(0.0005)  # a consumer slower than the producer
             if item.finished:
                 break
         thread.join()
-        return seen
+        return seen, ids, text
 
-    seen = asyncio.run(main())
+    seen, ids, text = asyncio.run(main())
     assert seen[-1] == 2000 and seen == sorted(set(seen)) and len(seen) < 2000
+    assert ids == list(range(2000)) and text == "".join("x" if n % 3 else "yz" for n in range(1, 2001))
 
     async def error_is_final():
         stream = _Stream(asyncio.get_running_loop())
@@ -207,23 +215,23 @@ def test_a_stream_interval_wakes_the_consumer_every_n_tokens():
     """With `interval` 3 a consumer that keeps up is woken for the first output, then each time 3 more
     tokens have come, and for the finished one; with 1, for every output. Errors always wake it."""
     from wllm.engine.async_engine import _Stream
-    from wllm.outputs import CompletionOutput, RequestOutput
 
-    def output(n, finished=False, choices=1):
-        return RequestOutput("r", [1], [CompletionOutput(i, "x" * n, list(range(n))) for i in range(choices)],
-                             finished=finished)
+    def output(n, finished=False, choices=1):  # the n-th token of each choice
+        return RequestDelta("r", [CompletionDelta(i, "x", [n - 1]) for i in range(choices)], finished=finished)
 
     async def run(interval, last=10, error_at=None, choices=1, behind=0):
         """Outputs 1..last tokens (per choice); the consumer misses the wake-ups of the first `behind`."""
         stream = _Stream(asyncio.get_running_loop(), interval)
         seen = []
+        tokens = [0]
 
         async def consume():
             async for item in stream:
                 if isinstance(item, BaseException):
                     seen.append("error")
                     return
-                seen.append(len(item.outputs[0].token_ids))
+                tokens[0] += len(item.outputs[0].token_ids)
+                seen.append(tokens[0])
                 if item.finished:
                     return
 
@@ -249,9 +257,11 @@ def test_a_stream_interval_wakes_the_consumer_every_n_tokens():
 
 
 class _IdleEngine:
-    """The least of an LLMEngine that AsyncEngine's loop thread calls: never has work of its own."""
+    """An `EngineCore` that never has work of its own."""
 
     num_failed_steps = 0
+    tokenizer = None
+    max_model_len = 16
 
     def stats(self):
         return {}
@@ -262,8 +272,20 @@ class _IdleEngine:
     def has_unfinished(self):
         return False
 
-    def abort(self, request_id):
+    def step_deltas(self):
+        return []
+
+    def abort_delta(self, request_id):
         return None
+
+    def take_rejected(self):
+        return []
+
+    def is_alive(self):
+        return True
+
+    def close(self):
+        pass
 
 
 def test_a_step_wakes_each_event_loop_once_for_all_its_streams():
@@ -273,7 +295,6 @@ def test_a_step_wakes_each_event_loop_once_for_all_its_streams():
     import threading
 
     from wllm.engine.async_engine import _Stream
-    from wllm.outputs import CompletionOutput, RequestOutput
 
     engine = AsyncEngine(_IdleEngine())
     loops = [asyncio.new_event_loop() for _ in range(2)]
@@ -284,11 +305,15 @@ def test_a_step_wakes_each_event_loop_once_for_all_its_streams():
     streams = {f"r{i}": _Stream(loops[i % 2]) for i in range(10)}
     engine._streams.update(streams)
 
-    def outputs(n, finished):
-        return [RequestOutput(rid, [1], [CompletionOutput(0, "", [7] * n)], finished=finished) for rid in streams]
+    def outputs(n, finished):  # the n-th token's deltas
+        return [RequestDelta(rid, [CompletionDelta(0, "", [7])], finished=finished) for rid in streams]
 
     async def consume(rid):
-        return [len(o.outputs[0].token_ids) async for o in _until_finished(streams[rid])]
+        seen, tokens = [], 0
+        async for o in _until_finished(streams[rid]):
+            tokens += len(o.outputs[0].token_ids)
+            seen.append(tokens)
+        return seen
 
     results = {}
 

@@ -12,14 +12,25 @@ import asyncio
 import random
 import time
 
+import msgspec
 import pytest
+from fake_engine import FloodEngine
 
 from wllm.engine.async_engine import AsyncEngine, EngineDeadError
-from wllm.engine.engine_process import EngineProcess, _DeltaEncoder, _Request
+from wllm.engine.engine_process import EngineProcess
 from wllm.engine.llm_engine import LLMEngine
-from wllm.entrypoints.openai.fake_engine import FloodEngine
 from wllm.model.default_model import default_model_path
-from wllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepLogprobs, TokenLogprob
+from wllm.outputs import (
+    CompletionOutput,
+    DeltaEncoder,
+    OutputAccumulator,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+    StepLogprobs,
+    TokenLogprob,
+    merge_deltas,
+)
 from wllm.sampling_params import SamplingParams
 
 KWARGS = {"device": "cpu", "max_model_len": 256, "kv_cache_memory": 64 << 20, "max_num_batched_tokens": 256,
@@ -42,7 +53,13 @@ def proc_engine():
 
 
 async def _stream(engine, prompt_ids, params, rid):
-    return [out async for out in engine.generate(prompt_ids, params, rid)]
+    """The request's output after each delta it streamed (deltas accumulated, as a consumer does)."""
+    acc = OutputAccumulator(rid, list(prompt_ids))
+    outs = []
+    async for delta in engine.generate(prompt_ids, params, rid):
+        acc.add(delta)
+        outs.append(acc.output())
+    return outs
 
 
 def _final(out: RequestOutput):
@@ -108,7 +125,7 @@ def test_abort_ends_the_stream_and_frees_the_childs_blocks(proc_engine):
 
     seen = asyncio.run(main())
     assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
-    assert len(seen[-1].outputs[0].token_ids) < 200
+    assert sum(len(o.outputs[0].token_ids) for o in seen) < 200
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # the child's answer to the abort carries its fresh stats
         s = proc_engine.stats()
@@ -161,12 +178,17 @@ def _lp(token: int) -> StepLogprobs:
 
 
 def test_deltas_rebuild_every_output():
-    """Cumulative outputs through encode/decode equal themselves: tokens and logprobs growing, text that
-    grows or is rewritten (a held-back stop string released or dropped), choices that appear later, prompt
-    logprobs in chunks, several requests interleaved."""
+    """Cumulative outputs -> DeltaEncoder -> msgpack (as over the pipe) -> OutputAccumulator equal themselves:
+    tokens and logprobs growing, text growing (by nothing, or by a held-back stop string's release), choices
+    that appear later, prompt logprobs in chunks, several requests interleaved; and merging any run of a
+    request's consecutive deltas (a consumer that fell behind) says the same as the deltas one by one."""
     rng = random.Random(0)
-    enc = _DeltaEncoder()
-    dec: dict[str, _Request] = {}
+    enc = DeltaEncoder()
+    wire = msgspec.msgpack.Encoder()
+    back_from_wire = msgspec.msgpack.Decoder(RequestDelta)
+    dec: dict[str, OutputAccumulator] = {}
+    merged: dict[str, OutputAccumulator] = {}
+    unmerged: dict[str, list[RequestDelta]] = {}
     state: dict[str, dict] = {}
     for step in range(400):
         rid = f"q{rng.randrange(5)}"
@@ -180,10 +202,7 @@ def test_deltas_rebuild_every_output():
                 t = rng.randrange(100)
                 c["ids"].append(t)
                 c["lps"].append(_lp(t))
-            if rng.random() < 0.2 and c["text"]:
-                c["text"] = c["text"][:rng.randrange(len(c["text"]))] + "xy"
-            else:
-                c["text"] += "".join(rng.choice("ab c") for _ in range(rng.randrange(4)))
+            c["text"] += "".join(rng.choice("ab c\u00e9") for _ in range(rng.randrange(4)))
         finished = rng.random() < 0.1
         outs = [CompletionOutput(index=i, text=c["text"], token_ids=list(c["ids"]), logprobs=list(c["lps"]),
                                  cumulative_logprob=-1.0 * len(c["ids"]),
@@ -193,16 +212,26 @@ def test_deltas_rebuild_every_output():
                             num_cached_tokens=step % 7, prompt_logprobs=list(s["plp"]),
                             metrics=RequestMetrics(arrival_time=float(step)))
         if rid not in dec:
-            dec[rid] = _Request(rid, s["prompt"])
-        back = dec[rid].apply(enc.encode(out))
-        assert back.request_id == rid and back.finished == finished
-        assert list(back.prompt_token_ids) == s["prompt"] and list(back.prompt_logprobs) == s["plp"]
-        assert back.num_cached_tokens == step % 7 and back.metrics == out.metrics
-        for b, o in zip(back.outputs, outs, strict=True):
-            assert (b.index, b.text, list(b.token_ids), list(b.logprobs), b.cumulative_logprob, b.finish_reason) \
-                == (o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason)
+            dec[rid] = OutputAccumulator(rid, s["prompt"])
+            merged[rid] = OutputAccumulator(rid, s["prompt"])
+            unmerged[rid] = []
+        delta = back_from_wire.decode(wire.encode(enc.encode(out)))
+        dec[rid].add(delta)
+        unmerged[rid].append(delta)
+        if finished or rng.random() < 0.4:
+            merged[rid].add(merge_deltas(unmerged[rid]))
+            unmerged[rid] = []
+        for acc in (dec[rid], merged[rid]) if not unmerged[rid] else (dec[rid],):
+            back = acc.output()
+            assert back.request_id == rid and back.finished == finished
+            assert list(back.prompt_token_ids) == s["prompt"] and list(back.prompt_logprobs) == s["plp"]
+            assert back.num_cached_tokens == step % 7 and back.metrics == out.metrics
+            for b, o in zip(back.outputs, outs, strict=True):
+                assert (b.index, b.text, list(b.token_ids), list(b.logprobs), b.cumulative_logprob,
+                        b.finish_reason) == (o.index, o.text, o.token_ids, o.logprobs, o.cumulative_logprob,
+                                             o.finish_reason)
         if finished:
-            del state[rid], dec[rid]
+            del state[rid], dec[rid], merged[rid], unmerged[rid]
     assert set(enc._sent) == set(state) == set(dec)
 
 
@@ -222,7 +251,6 @@ def test_a_burst_of_long_prompts_while_streaming(proc_engine):
 
     outs, bg = asyncio.run(asyncio.wait_for(main(), 300))
     assert all(o[-1].finished and len(o[-1].outputs[0].token_ids) == 2 for o in outs)
-    assert [list(o[-1].prompt_token_ids) for o in outs] == prompts
     assert len(bg[-1].outputs[0].token_ids) == 40
 
 
@@ -233,15 +261,15 @@ def _flood_engine(**kwargs) -> AsyncEngine:
 
 
 def test_commands_and_results_never_wait_on_each_other():
-    """~3 MB of prompts go to the child while it sends them back in its first outputs, far more than a
-    pipe holds either way. A parent thread that sent commands and read results in turn deadlocked here
-    (each side blocked sending into a full pipe, the other not reading), as `wllm serve --engine-process`
-    did on the H200 at 256 clients; the sender thread keeps the reader reading."""
+    """Megabytes of prompts go to the child while it sends them back in its first outputs (as prompt
+    logprobs), far more than a pipe holds either way. A parent thread that sent commands and read results in
+    turn deadlocked here (each side blocked sending into a full pipe, the other not reading), as `wllm serve
+    --engine-process` once did under many clients; the sender thread keeps the reader reading."""
     engine = _flood_engine(step_delay=0.002)
     prompts = [list(range(i, i + 4000)) for i in range(200)]
 
     async def main():
-        return await asyncio.gather(*(_stream(engine, p, SamplingParams(max_tokens=3), f"f{i}")
+        return await asyncio.gather(*(_stream(engine, p, SamplingParams(max_tokens=3, prompt_logprobs=0), f"f{i}")
                                       for i, p in enumerate(prompts)))
 
     try:
@@ -251,7 +279,7 @@ def test_commands_and_results_never_wait_on_each_other():
         raise
     finally:
         engine.shutdown(close_engine=True)
-    assert [list(o[-1].prompt_token_ids) for o in outs] == prompts
+    assert [[lp.token_id for lp in o[-1].prompt_logprobs[1:]] for o in outs] == [p[1:] for p in prompts]
     assert all(o[-1].outputs[0].token_ids == [7, 8, 9] and o[-1].outputs[0].text == "ttt" for o in outs)
 
 
@@ -294,15 +322,49 @@ def test_an_id_reused_right_after_its_abort_gets_only_its_own_outputs():
             results = []
             for round_ in range(300):
                 old = [100000 + round_] * 5
+                tokens = 0
                 async for out in engine.generate(old, SamplingParams(max_tokens=1000), "same"):
-                    if len(out.outputs[0].token_ids) >= 2:
+                    tokens += len(out.outputs[0].token_ids)
+                    if tokens >= 2:
                         await engine.abort("same")
                 new = [200000 + round_] * 3
-                results.append((new, await _stream(engine, new, SamplingParams(max_tokens=3), "same")))
+                results.append([d async for d in engine.generate(new, SamplingParams(max_tokens=3), "same")])
             return results
 
-        for new, outs in asyncio.run(asyncio.wait_for(main(), 60)):
-            assert all(list(o.prompt_token_ids) == new for o in outs)
-            assert outs[-1].outputs[0].token_ids == [7, 8, 9]
+        for deltas in asyncio.run(asyncio.wait_for(main(), 60)):
+            assert [t for d in deltas for t in d.outputs[0].token_ids] == [7, 8, 9]
+            assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     finally:
         engine.shutdown(close_engine=True)
+
+
+def test_every_message_crosses_as_a_typed_struct():
+    """Commands and replies round-trip through msgpack as the tagged Structs they are; errors keep the class
+    the server maps to a status (ValueError 400, QueueFullError 503) and their message."""
+    from wllm.engine.engine_process import (
+        Aborted,
+        AbortRequest,
+        AddRequest,
+        Command,
+        EngineFailed,
+        EngineProcessError,
+        Rejected,
+        RemoteError,
+        Reply,
+        Shutdown,
+        StepOutputs,
+    )
+    from wllm.engine.request import QueueFullError
+    from wllm.outputs import CompletionDelta
+
+    enc = msgspec.msgpack.Encoder()
+    commands = [AddRequest("a#0", [1, 2], SamplingParams(n=2, stop=["x"], logit_bias={5: -1.0}), 3, "salt", 1.5),
+                AbortRequest("a#0"), Shutdown()]
+    assert [msgspec.msgpack.decode(enc.encode(c), type=Command) for c in commands] == commands
+    delta = RequestDelta("a#0", [CompletionDelta(0, "hi", [4], [_lp(4)], -0.5, "stop", "x")], True, 2,
+                         [None, _lp(2)], RequestMetrics(arrival_time=1.0, first_token_time=2.0))
+    replies = [StepOutputs([delta], {"num_running": 1, "kv_cache_usage": 0.5}, 0), Aborted("a#0", {}),
+               Rejected("a#0", RemoteError.of(ValueError("bad")), {}), EngineFailed(RemoteError.of(KeyError("k")))]
+    assert [msgspec.msgpack.decode(enc.encode(r), type=Reply) for r in replies] == replies
+    errors = [RemoteError.of(e).exception() for e in (ValueError("v"), QueueFullError("q"), OSError("o"))]
+    assert [(type(e), str(e)) for e in errors] == [(ValueError, "v"), (QueueFullError, "q"), (EngineProcessError, "o")]

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from fake_engine import ScriptedEngine
 from litestar.testing import TestClient
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -19,7 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.auth import APIKeyChecker, APIKeyError, bearer_token, collect_api_keys, key_id
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.fake_engine import ScriptedEngine
 from wllm.entrypoints.openai.rate_limit import RateLimited, RateLimiter
 from wllm.observability.logs import JSONFormatter, setup_logging
 from wllm.observability.tracing import TracingSetupError, otlp_tracer_provider

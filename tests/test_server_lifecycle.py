@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_engine import ScriptedEngine
 
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.fake_engine import ScriptedEngine
 
 
 async def call(app: Any, path: str, body: dict, disconnect: asyncio.Event) -> list[dict]:
@@ -98,9 +99,10 @@ def test_multi_prompt_stream_disconnect_aborts_all() -> None:
 
 SERVE_FAKE = """
 import argparse, sys
+sys.path.insert(0, TESTS_DIR)  # fake_engine
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.fake_engine import ScriptedEngine
+from fake_engine import ScriptedEngine
 from wllm.entrypoints.serve_cli import _make_server
 app = create_app(ScriptedEngine(max_model_len=4096, step_delay=0.005, replies=("tick " * 60,)),
                  ServerConfig(served_model_names=["tiny"]))
@@ -108,7 +110,7 @@ args = argparse.Namespace(host="127.0.0.1", port=0, shutdown_timeout=30)
 server = _make_server(app, args, lambda h, p: print(f"READY http://{h}:{p}", flush=True))
 server.run()
 print("EXITED CLEANLY", flush=True)
-"""
+""".replace("TESTS_DIR", repr(str(Path(__file__).resolve().parent)))
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import uvicorn
+from fake_engine import ScriptedEngine
 
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.fake_engine import ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,9 +1,10 @@
-"""`AsyncEngine`: the `LLMEngine` step loop in its own thread, streaming to asyncio consumers.
+"""`AsyncEngine`: an engine's step loop in its own thread, streaming to asyncio consumers.
 
+It drives a `wllm.engine.protocol.EngineCore`: an `LLMEngine` in this process or an `EngineProcess`.
 Callers on any event loop submit commands (add, abort) through a thread-safe queue; the loop
-thread applies them between steps, runs `step()`, and publishes each `RequestOutput` to the
+thread applies them between steps, runs `step_deltas()`, and publishes each `RequestDelta` to the
 request's consumer, waking all of a step's consumers on one event loop with one `call_soon_threadsafe`
-(outputs are cumulative: a consumer that falls behind gets the newest, not a backlog). A failing step
+(a consumer that falls behind gets the deltas it missed merged into one, not a backlog). A failing step
 fails only its requests (they get an output with `error` set); after `max_consecutive_failures` failing
 steps in a row, or if the loop itself breaks, the engine marks itself unhealthy, fails every request and
 rejects new ones, so no consumer ever waits forever.
@@ -18,9 +19,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from wllm.engine.engine_process import EngineProcess
-from wllm.engine.llm_engine import LLMEngine
-from wllm.outputs import CompletionOutput, RequestOutput
+from wllm.engine.protocol import EngineCore
+from wllm.outputs import CompletionDelta, RequestDelta, merge_deltas
 from wllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,44 +31,52 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    """Hands one request's outputs from the engine thread to its consumer's event loop.
+    """Hands one request's deltas from the engine thread to its consumer's event loop.
 
-    Outputs are cumulative (each holds all tokens so far), so a consumer that has fallen behind needs only
-    the newest: the engine thread replaces the pending output and wakes the loop at most once until the
-    consumer has looked. A handoff per output (one loop callback and self-pipe write each, i.e. one per
-    stream per step) kept a serving event loop busier than the engine at 64 streaming clients, and new
-    requests waited behind that backlog. Lock-free: only the engine thread writes `latest` (one tuple
-    assignment), only the loop thread clears `woken`; a write after the consumer looked finds `woken`
-    clear and wakes it again, so the newest output is never missed.
+    The engine thread queues each delta and wakes the loop at most once until the consumer has looked; the
+    consumer takes everything queued and merges it into one delta (`merge_deltas`), so a consumer that has
+    fallen behind sends one frame where it would have sent several. A handoff per delta (one loop callback
+    and self-pipe write each, i.e. one per stream per step) kept a serving event loop busier than the
+    engine under many streaming clients, and new requests waited behind that backlog. Lock-free: the
+    queue is a deque (append and popleft are atomic), only the engine thread sets `woken`, only the loop
+    thread clears it; a delta queued after the consumer looked finds `woken` clear and wakes it again, so
+    none is missed.
 
-    `interval` > 1 wakes the consumer only once `interval` more tokens have come since its last wake-up
-    (the first output, a finished one and an error always wake it): fewer, larger frames per stream, for
-    an event loop that streams to hundreds of clients (`wllm serve --stream-interval`)."""
+    `interval` > 1 wakes the consumer only once `interval` more tokens (per choice) have come since its last
+    wake-up (the first delta, a finished one and an error always wake it): fewer, larger frames per stream,
+    for an event loop that streams to hundreds of clients (`wllm serve --stream-interval`)."""
 
-    __slots__ = ("loop", "latest", "woken", "ready", "interval", "woke_at")
+    __slots__ = ("loop", "pending", "failed", "woken", "ready", "interval", "woke_at", "tokens")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: int = 1) -> None:
         self.loop = loop
-        self.latest: tuple[int, RequestOutput | BaseException | None] = (0, None)  # (sequence number, output)
+        self.pending: deque[RequestDelta | BaseException] = deque()
+        self.failed = False  # engine thread only: an error was queued (it is final)
         self.woken = False
         self.ready = asyncio.Event()
         self.interval = interval
-        self.woke_at = 0  # engine thread only: tokens (per choice) in the newest output the consumer will read
+        self.woke_at = 0  # engine thread only: tokens (per choice) the consumer will have read when it wakes
+        self.tokens: dict[int, int] = {}  # engine thread only, with `interval` > 1: tokens so far per choice
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Engine thread: publish `item` as the newest output (an error is final) and wake the consumer."""
+    def put(self, item: RequestDelta | BaseException) -> None:
+        """Engine thread: queue `item` (an error is final) and wake the consumer."""
         if self.publish(item):
             _wake_on_loop(self.loop, (self,))
 
-    def publish(self, item: RequestOutput | BaseException) -> bool:
+    def publish(self, item: RequestDelta | BaseException) -> bool:
         """Engine thread: `put` without the wake-up; True when the consumer must be woken (see `_wake_all`)."""
-        seq, last = self.latest
-        if isinstance(last, BaseException):
+        if self.failed:
             return False
-        self.latest = (seq + 1, item)
-        if self.interval > 1 and isinstance(item, RequestOutput) and not item.finished:
-            tokens = max((len(c.token_ids) for c in item.outputs), default=0)  # per choice: n > 1 alike
-            if self.woken:  # the consumer, already woken, will read this output or a newer one
+        if isinstance(item, BaseException):
+            self.failed = True
+        self.pending.append(item)
+        if self.interval > 1 and isinstance(item, RequestDelta) and not item.finished:
+            counts = self.tokens
+            for c in item.outputs:
+                if c.token_ids:
+                    counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+            tokens = max(counts.values(), default=0)  # per choice: n > 1 alike
+            if self.woken:  # the consumer, already woken, will read this delta with the others
                 self.woke_at = tokens
                 return False
             if self.woke_at and tokens - self.woke_at < self.interval:
@@ -83,22 +91,26 @@ class _Stream:
         self.woken = False
         self.ready.set()
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput | BaseException]:
-        """Loop thread: the newest output each time there is a new one."""
-        seen = 0
+    async def __aiter__(self) -> AsyncIterator[RequestDelta | BaseException]:
+        """Loop thread: what has come since the last time, as one delta (or the error, which replaces it)."""
+        pending = self.pending
         while True:
             await self.ready.wait()
             self.ready.clear()
-            seq, item = self.latest
-            if seq != seen and item is not None:
-                seen = seq
-                yield item
+            batch = []
+            while pending:
+                batch.append(pending.popleft())
+            if not batch:
+                continue
+            error = batch[-1]
+            yield error if isinstance(error, BaseException) else merge_deltas(batch)  # type: ignore[arg-type]
 
 
 class AsyncEngine:
-    """Serve an `LLMEngine` to asyncio code. Satisfies the HTTP layer's `EngineClient`."""
+    """Serve an `EngineCore` (an `LLMEngine`, an `EngineProcess`) to asyncio code. Satisfies the HTTP
+    layer's `EngineClient`."""
 
-    def __init__(self, engine: LLMEngine | EngineProcess, max_consecutive_failures: int = 3,
+    def __init__(self, engine: EngineCore, max_consecutive_failures: int = 3,
                  stream_interval: int = 1) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
@@ -113,11 +125,6 @@ class AsyncEngine:
         self._consecutive_failures = 0
         self._thread: threading.Thread | None = None
         self._stats: dict[str, Any] = engine.stats()
-        # An EngineProcess validates requests in its child: one it refuses comes back after a step.
-        self._take_rejected: Callable[[], list[tuple[str, BaseException]]] | None = getattr(
-            engine, "take_rejected", None)
-        # ... and can die while idle, when no step is there to notice: health asks it directly.
-        self._engine_alive: Callable[[], bool] | None = getattr(engine, "is_alive", None)
 
     @property
     def tokenizer(self) -> Any:
@@ -128,7 +135,8 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def is_healthy(self) -> bool:
-        return self._dead is None and (self._engine_alive is None or self._engine_alive())
+        # An engine process can die while idle, when no step is there to notice: health asks it directly.
+        return self._dead is None and self.engine.is_alive()
 
     def stats(self) -> dict[str, Any]:
         """The last step's engine stats plus health and stream counts (safe from any thread)."""
@@ -170,11 +178,10 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs until the request finishes (a consumer that falls behind skips to the
-        newest; the finished one always comes). Raises QueueFullError (queue at
-        its bound), ValueError (bad input) or EngineDeadError; aborts the request if the consumer
-        stops iterating."""
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream the request's deltas until it finishes (what a consumer that falls behind missed comes
+        merged into one; the last has `finished` set). Raises QueueFullError (queue at its bound),
+        ValueError (bad input) or EngineDeadError; aborts the request if the consumer stops iterating."""
         if not self.is_healthy():
             raise EngineDeadError(f"the engine has stopped after an error: {self._dead or 'its process exited'}")
         self.start()
@@ -228,16 +235,16 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------------------ loop thread
     def _abort_now(self, request_id: str) -> None:
-        out = self.engine.abort(request_id)
+        out = self.engine.abort_delta(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None and out is not None:
             stream.put(out)
         # The engine may now go idle with no step to refresh the counters that /metrics reads.
         self._stats = self.engine.stats()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestDelta]) -> None:
         # One loop callback per event loop per step, not one per stream: each costs the engine thread a lock
-        # and a self-pipe write, and the loop a wake-up (256 of them per step at 256 streams).
+        # and a self-pipe write, and the loop a wake-up (one per stream per step otherwise).
         to_wake: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -265,18 +272,18 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     continue
                 failed_before = self.engine.num_failed_steps
-                outputs = self.engine.step()
+                outputs = self.engine.step_deltas()
                 self._stats = self.engine.stats()
                 if self.engine.num_failed_steps > failed_before:
                     self._consecutive_failures += 1
                 else:
                     self._consecutive_failures = 0
                 self._deliver(outputs)
-                if self._take_rejected is not None:
-                    for request_id, error in self._take_rejected():
-                        stream = self._streams.pop(request_id, None)
-                        if stream is not None:
-                            stream.put(error)
+                # An engine process validates requests in its child: one it refuses comes back after a step.
+                for request_id, error in self.engine.take_rejected():
+                    stream = self._streams.pop(request_id, None)
+                    if stream is not None:
+                        stream.put(error)
                 if self._consecutive_failures >= self.max_consecutive_failures:
                     raise EngineDeadError(f"{self._consecutive_failures} engine steps failed in a row")
             self._fail_all("the engine was shut down")
@@ -297,12 +304,11 @@ class AsyncEngine:
                 pass
         for request_id, stream in list(self._streams.items()):
             try:
-                self.engine.abort(request_id)  # frees its blocks (an engine process's child stops computing it)
+                self.engine.abort_delta(request_id)  # frees its blocks (an engine process's child stops computing it)
             except Exception:
                 pass
-            stream.put(RequestOutput(request_id=request_id, prompt_token_ids=[],
-                                     outputs=[CompletionOutput(0, "", [], finish_reason="error")],
-                                     finished=True, error=message))
+            stream.put(RequestDelta(request_id, [CompletionDelta(0, "", [], finish_reason="error")], finished=True,
+                                    error=message))
         self._streams.clear()
 
 

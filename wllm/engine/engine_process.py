@@ -1,20 +1,21 @@
 """`EngineProcess`: an `LLMEngine` in a spawned child process, driven through a pipe by `AsyncEngine`.
 
-Why: in one process the engine thread and the server's event loop share one GIL. At 256 streaming clients
-(H200, Qwen2.5-0.5B shape) each waits on the other: the engine's step took 3-4 ms of wall time for ~2 ms of
-GPU work and the loop lagged up to ~0.2 s, so clients saw an inter-token p50 of 34-45 ms. With the engine
-in its own process (its own interpreter and GIL) the same load gave 12.6 ms (benchmarks/RESULTS.md,
-session 21). `wllm serve` uses it on CUDA (`--engine-process` / `--no-engine-process` decide otherwise).
+Why: in one process the engine thread and the server's event loop share one GIL, and under many streaming
+clients each waits on the other (inter-token latency, loop lag); with the engine in its own process (its own
+interpreter and GIL) they do not (benchmarks/RESULTS.md). `wllm serve` uses it on CUDA (`--engine-process` /
+`--no-engine-process` decide otherwise).
 
-The parent holds this object in place of an `LLMEngine`: `AsyncEngine` runs its usual loop over it, and
-`step()` returns the child's next batch of outputs. Commands go to the child as they come (`add_request`,
-`abort` return at once); the child applies them between its steps and runs steps for as long as it has
-work, sending one message per step. Outputs cross the pipe as deltas (new token ids, logprobs and text
-since the last message) and are rebuilt here as cumulative `RequestOutput`s, so a long stream costs the
-same per step as a short one. A request the child refuses (`ValueError`, `QueueFullError`) comes back as
-an error for that request's stream (`take_rejected`); an aborted request's blocks are freed by the child
-at its next step boundary. Works with the spawn start method only (the default on Windows and macOS; the
-child never inherits the parent's CUDA state): the child imports wllm afresh and loads the model itself.
+The parent holds this object in place of an `LLMEngine`: both implement `wllm.engine.protocol.EngineCore`,
+so `AsyncEngine` runs its usual loop over it, and `step_deltas()` returns the child's next batch of deltas.
+Commands go to the child as they come (`add_request`, `abort_delta` return at once); the child applies them
+between its steps and runs steps for as long as it has work, sending one message per step. Every message
+either way is a msgspec Struct of a tagged union (`Command`, `Reply`), encoded as msgpack. Outputs cross as
+`RequestDelta`s (new token ids, logprobs and text since the last message) and go on to `AsyncEngine` as
+they are, so a long stream costs the same per step as a short one. A request the child refuses
+(`ValueError`, `QueueFullError`) comes back as an error for that request's stream (`take_rejected`); an
+aborted request's blocks are freed by the child at its next step boundary. Works with the spawn start
+method only (the default on Windows and macOS; the child never inherits the parent's CUDA state): the
+child imports wllm afresh and loads the model itself.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import pickle
 import signal
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
-from wllm.outputs import CompletionOutput, ListPrefix, RequestOutput
+import msgspec
+
+from wllm.engine.protocol import EngineCore
+from wllm.engine.request import QueueFullError
+from wllm.outputs import CompletionDelta, RequestDelta, RequestMetrics
 from wllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,119 +47,111 @@ class EngineProcessError(RuntimeError):
     """The engine process failed to start or stopped (its message says why)."""
 
 
-# ----------------------------------------------------------------------------------- output deltas
-# A request's message: (key, finished, num_cached_tokens, error, metrics, new prompt logprobs or None,
-# [choice delta]); a choice delta: (index, new token ids, new logprobs or None, text kept, text added,
-# cumulative logprob, finish reason, stop reason). The prompt never crosses back: the parent sent it.
+# -------------------------------------------------------------------------------------------- messages
+# Requests are known to the child by a key never used before ("<id>#<n>"), not by their id: see
+# EngineProcess.__init__.
 
 
-class _DeltaEncoder:
-    """Child side: what each running request's consumer has been sent, to send only what is new."""
+class RemoteError(msgspec.Struct, array_like=True):
+    """An exception raised in the child, as the parent re-raises it: ValueError and QueueFullError keep their
+    class (the server maps them to 400 and 503), anything else becomes EngineProcessError; the message is
+    the original's `str()`."""
 
-    def __init__(self) -> None:
-        # key -> [prompt logprobs sent, {choice index: [tokens sent, logprobs sent, text sent]}]
-        self._sent: dict[str, list[Any]] = {}
+    kind: Literal["value", "queue_full", "other"]
+    type_name: str
+    message: str
 
-    def encode(self, out: RequestOutput) -> tuple[Any, ...]:
-        state = self._sent.get(out.request_id)
-        if state is None:
-            state = self._sent[out.request_id] = [0, {}]
-        prompt_lps = None
-        if out.prompt_logprobs is not None:
-            prompt_lps = out.prompt_logprobs[state[0]:]
-            state[0] = len(out.prompt_logprobs)
-        choices = []
-        for c in out.outputs:
-            sent = state[1].get(c.index)
-            if sent is None:
-                sent = state[1][c.index] = [0, 0, ""]
-            ids = c.token_ids[sent[0]:]
-            lps = None if c.logprobs is None else c.logprobs[sent[1]:]
-            old, text = sent[2], c.text
-            keep = len(old) if text.startswith(old) else len(os.path.commonprefix([old, text]))
-            choices.append((c.index, ids, lps, keep, text[keep:], c.cumulative_logprob, c.finish_reason,
-                            c.stop_reason))
-            sent[0] = len(c.token_ids)
-            sent[1] = 0 if c.logprobs is None else len(c.logprobs)
-            sent[2] = text
-        if out.finished:
-            del self._sent[out.request_id]
-        return (out.request_id, out.finished, out.num_cached_tokens, out.error, out.metrics, prompt_lps, choices)
+    @classmethod
+    def of(cls, error: BaseException) -> RemoteError:
+        kind: Literal["value", "queue_full", "other"] = (
+            "queue_full" if isinstance(error, QueueFullError) else "value" if isinstance(error, ValueError)
+            else "other")
+        return cls(kind, type(error).__name__, str(error) or type(error).__name__)
 
-    def forget(self, key: str) -> None:
-        self._sent.pop(key, None)
+    def exception(self) -> BaseException:
+        if self.kind == "value":
+            return ValueError(self.message)
+        if self.kind == "queue_full":
+            return QueueFullError(self.message)
+        return EngineProcessError(self.message)
 
 
-class _Choice:
-    """Parent side: one choice's cumulative outputs."""
-
-    __slots__ = ("token_ids", "logprobs", "text", "cumulative_logprob", "finish_reason", "stop_reason")
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.logprobs: list[Any] | None = None
-        self.text = ""
-        self.cumulative_logprob: float | None = None
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
+# Parent -> child.
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    key: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
 
 
-class _Request:
-    """Parent side: one request's cumulative outputs, rebuilt from the child's deltas."""
+class AbortRequest(msgspec.Struct, tag=True, array_like=True):
+    key: str
 
-    __slots__ = ("request_id", "prompt", "prompt_logprobs", "choices", "cached", "metrics")
 
-    def __init__(self, request_id: str, prompt: list[int]) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_logprobs: list[Any] | None = None
-        self.choices: dict[int, _Choice] = {}
-        self.cached = 0
-        self.metrics: Any = None
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    pass
 
-    def apply(self, msg: tuple[Any, ...]) -> RequestOutput:
-        """The cumulative output after one of the child's messages for this request."""
-        _, finished, self.cached, error, self.metrics, prompt_lps, deltas = msg
-        if prompt_lps is not None:
-            if self.prompt_logprobs is None:
-                self.prompt_logprobs = []
-            self.prompt_logprobs.extend(prompt_lps)
-        for index, ids, lps, keep, added, cum, reason, stop in deltas:
-            c = self.choices.get(index)
-            if c is None:
-                c = self.choices[index] = _Choice()
-            c.token_ids.extend(ids)
-            if lps is not None:
-                if c.logprobs is None:
-                    c.logprobs = []
-                c.logprobs.extend(lps)
-            c.text = c.text[:keep] + added
-            c.cumulative_logprob, c.finish_reason, c.stop_reason = cum, reason, stop
-        return self.output(finished, [d[0] for d in deltas], error)
 
-    def output(self, finished: bool, indices: Iterable[int] | None = None, error: str | None = None,
-               reason: str | None = None) -> RequestOutput:
-        """The output now: views of the growing lists while running, lists once finished; `reason` for the
-        choices that have none (an abort). `indices`: the choices in the child's order (default: by index)."""
-        snap = list if finished else ListPrefix
-        outs = []
-        for i in sorted(self.choices) if indices is None else indices:
-            c = self.choices[i]
-            outs.append(CompletionOutput(index=i, text=c.text, token_ids=snap(c.token_ids),
-                                         cumulative_logprob=c.cumulative_logprob,
-                                         logprobs=None if c.logprobs is None else snap(c.logprobs),
-                                         finish_reason=c.finish_reason or reason, stop_reason=c.stop_reason))
-        if not outs and reason is not None:
-            outs = [CompletionOutput(0, "", [], finish_reason=reason)]
-        plp = self.prompt_logprobs
-        return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt, outputs=outs,
-                             finished=finished, num_cached_tokens=self.cached,
-                             prompt_logprobs=None if plp is None else snap(plp), metrics=self.metrics, error=error)
+Command = AddRequest | AbortRequest | Shutdown
+
+
+# Child -> parent.
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """The model is loaded. The tokenizer stays pickled: it is a Python object (a `tokenizers` or GGUF
+    vocabulary with its chat template and special-token tables) with no schema of its own, and rebuilding it
+    in the parent from its files would mean resolving and loading them a second time."""
+
+    tokenizer: bytes
+    max_model_len: int
+    stats: dict[str, Any]
+
+
+class LoadFailed(msgspec.Struct, tag=True, array_like=True):
+    error: RemoteError
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """One step's deltas, keyed by the child's request keys."""
+
+    deltas: list[RequestDelta]
+    stats: dict[str, Any]
+    num_failed_steps: int
+
+
+class Rejected(msgspec.Struct, tag=True, array_like=True):
+    key: str
+    error: RemoteError
+    stats: dict[str, Any]
+
+
+class Aborted(msgspec.Struct, tag=True, array_like=True):
+    key: str
+    stats: dict[str, Any]
+
+
+class EngineFailed(msgspec.Struct, tag=True, array_like=True):
+    """The child's loop broke; it exits after sending this."""
+
+    error: RemoteError
+
+
+Reply = Ready | LoadFailed | StepOutputs | Rejected | Aborted | EngineFailed
+
+
+def _plain(obj: Any) -> Any:
+    """msgpack's hook for a value it cannot encode: a numpy or torch scalar (a token id, a logprob or a stat
+    a caller computed with them) goes as the Python number it holds."""
+    item = getattr(type(obj), "item", None)
+    if item is None:
+        raise TypeError(f"cannot send a {type(obj).__name__} to or from the engine process")
+    return item(obj)
 
 
 # ------------------------------------------------------------------------------------------- child
 def _child_main(model: str, engine_kwargs: dict[str, Any], commands: Any, conn: Any,
-                log: tuple[str, str] | None, factory: Callable[..., Any] | None) -> None:
+                log: tuple[str, str] | None, factory: Callable[..., EngineCore] | None) -> None:
     """The engine process: load the model, report ready (or the error) on `conn`, then apply what comes on
     `commands` and run steps."""
     # Ctrl+C (and Windows' Ctrl+Break) reach every process of the console: the parent drains its requests and
@@ -170,77 +166,90 @@ def _child_main(model: str, engine_kwargs: dict[str, Any], commands: Any, conn: 
         from wllm.engine.llm_engine import LLMEngine
 
         factory = LLMEngine.from_pretrained
+    encode = msgspec.msgpack.Encoder(enc_hook=_plain).encode
     try:
         engine = factory(model, **engine_kwargs)
     except BaseException as e:
-        _send_error(conn, e)
+        _send_error(conn, encode, LoadFailed(RemoteError.of(e)))
         return
     try:
-        conn.send(("ready", engine.tokenizer, engine.max_model_len, engine.stats(), engine.model_source))
-        _serve(engine, commands, conn)
+        conn.send_bytes(encode(Ready(pickle.dumps(engine.tokenizer), engine.max_model_len, engine.stats())))
+        _serve(engine, commands, conn, encode)
     except (EOFError, BrokenPipeError, ConnectionError):
         pass  # the parent is gone
     except BaseException as e:  # noqa: BLE001 -- reported to the parent, which fails every request
         logger.exception("engine process failed")
-        _send_error(conn, e, kind="dead")
+        _send_error(conn, encode, EngineFailed(RemoteError.of(e)))
     finally:
         engine.close()
 
 
-def _picklable(error: BaseException) -> BaseException:
-    """`error`, or for one that does not pickle a ValueError / EngineProcessError with its type and message."""
+def _send_error(conn: Any, encode: Callable[[Any], bytes], msg: LoadFailed | EngineFailed) -> None:
     try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        kind = ValueError if isinstance(error, ValueError) else EngineProcessError
-        return kind(f"{type(error).__name__}: {error}")
-
-
-def _send_error(conn: Any, error: BaseException, kind: str = "error") -> None:
-    try:
-        conn.send((kind, _picklable(error)))
+        conn.send_bytes(encode(msg))
     except Exception:
         pass  # the parent is gone
 
 
-def _serve(engine: Any, commands: Any, conn: Any) -> None:
-    encoder = _DeltaEncoder()
+def _serve(engine: EngineCore, commands: Any, conn: Any, encode: Callable[[Any], bytes]) -> None:
+    decode = msgspec.msgpack.Decoder(Command).decode
     while True:
         # Apply every command that has come; wait for one only while there is nothing to run.
         while not engine.has_unfinished() or commands.poll():
-            msg = commands.recv()
-            kind = msg[0]
-            if kind == "add":
-                _, rid, prompt, params, priority, cache_salt, arrival = msg
+            msg = decode(commands.recv_bytes())
+            if isinstance(msg, AddRequest):
                 try:
-                    engine.add_request(rid, prompt, params, priority=priority, cache_salt=cache_salt,
-                                       arrival_time=arrival)
+                    engine.add_request(msg.key, msg.prompt, msg.params, priority=msg.priority,
+                                       cache_salt=msg.cache_salt, arrival_time=msg.arrival_time)
                 except Exception as e:  # the request's own error: its stream gets it, the engine goes on
-                    conn.send(("rejected", rid, _picklable(e), engine.stats()))
-            elif kind == "abort":
-                engine.abort(msg[1])
-                encoder.forget(msg[1])
-                conn.send(("aborted", msg[1], engine.stats()))
-            elif kind == "stop":
+                    conn.send_bytes(encode(Rejected(msg.key, RemoteError.of(e), engine.stats())))
+            elif isinstance(msg, AbortRequest):
+                engine.abort_delta(msg.key)  # the parent answered its caller already
+                conn.send_bytes(encode(Aborted(msg.key, engine.stats())))
+            else:
                 return
-        outputs = engine.step()
-        conn.send(("step", [encoder.encode(o) for o in outputs], engine.stats(), engine.num_failed_steps))
+        deltas = engine.step_deltas()
+        conn.send_bytes(encode(StepOutputs(deltas, engine.stats(), engine.num_failed_steps)))
 
 
 # ------------------------------------------------------------------------------------------ parent
+class _Running:
+    """Parent side: what a running request's abort answers with (no outputs are kept here: they went on)."""
+
+    __slots__ = ("request_id", "choices", "cached", "metrics")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.choices: dict[int, tuple[str | None, str | int | None, float | None]] = {}  # finish, stop, cum. lp
+        self.cached = 0
+        self.metrics: RequestMetrics | None = None
+
+    def seen(self, delta: RequestDelta) -> None:
+        self.cached, self.metrics = delta.num_cached_tokens, delta.metrics
+        for c in delta.outputs:
+            self.choices[c.index] = (c.finish_reason, c.stop_reason, c.cumulative_logprob)
+
+    def aborted(self) -> RequestDelta:
+        """The last delta of an aborted request: finish reason "abort" for the choices that had none."""
+        outs = [CompletionDelta(i, "", [], None, cum, reason or "abort", stop)
+                for i, (reason, stop, cum) in sorted(self.choices.items())]
+        return RequestDelta(self.request_id, outs or [CompletionDelta(0, "", [], finish_reason="abort")],
+                            finished=True, num_cached_tokens=self.cached, metrics=self.metrics)
+
+
 class EngineProcess:
-    """An `LLMEngine` running in a child process; the object `AsyncEngine` drives in its place.
+    """An `LLMEngine` running in a child process; the `EngineCore` `AsyncEngine` drives in its place.
 
     `model` and `engine_kwargs` are `LLMEngine.from_pretrained`'s arguments (loaded in the child);
     `log` = (format, level) sets up the child's logging as `wllm serve` does; `engine_factory` (a
-    module-level callable, called in the child as `engine_factory(model, **engine_kwargs)`) replaces
-    `LLMEngine.from_pretrained` (tests). Raises what the child's load raised (a ValueError naming the
-    file, say), or EngineProcessError if it died while starting. Not thread-safe: one thread
-    (AsyncEngine's) calls everything but `stats`."""
+    module-level callable, called in the child as `engine_factory(model, **engine_kwargs)`, returning an
+    `EngineCore`) replaces `LLMEngine.from_pretrained` (tests). Raises what the child's load raised (a
+    ValueError naming the file, say; other errors as EngineProcessError with their message), or
+    EngineProcessError if it died while starting. Not thread-safe: one thread (AsyncEngine's) calls
+    everything but `stats`."""
 
     def __init__(self, model: str, engine_kwargs: dict[str, Any] | None = None, *,
-                 log: tuple[str, str] | None = None, engine_factory: Callable[..., Any] | None = None) -> None:
+                 log: tuple[str, str] | None = None, engine_factory: Callable[..., EngineCore] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         # One pipe each way, each end used by one thread: commands are written by a sender thread, results
         # read by AsyncEngine's. A thread that sent and read in turn could block sending while the child
@@ -254,23 +263,26 @@ class EngineProcess:
         self._proc.start()
         commands_in.close()  # the child's ends: EOF on ours once it has exited
         results_out.close()
-        self._outbox: deque[tuple[Any, ...]] = deque()
+        self._decode = msgspec.msgpack.Decoder(Reply).decode
+        self._encode = msgspec.msgpack.Encoder(enc_hook=_plain).encode
+        self._outbox: deque[AddRequest | AbortRequest | Shutdown] = deque()
         self._outbox_ready = threading.Condition()
         self._send_error: str | None = None
         self.closed = False
         try:
-            msg = self._recv()
+            msg: Reply | None = self._recv()
         except (EOFError, OSError):
-            msg = ("error", None)
-        if msg[0] != "ready":
+            msg = None
+        if not isinstance(msg, Ready):
             self._proc.join(5)
             self._conn.close()
             self._commands.close()
-            if msg[1] is None:
-                raise EngineProcessError(
-                    f"the engine process exited while starting (exit code {self._proc.exitcode})")
-            raise msg[1]
-        _, self.tokenizer, self.max_model_len, self._stats, self.model_source = msg
+            if isinstance(msg, (LoadFailed, EngineFailed)):
+                raise msg.error.exception()
+            raise EngineProcessError(f"the engine process exited while starting (exit code {self._proc.exitcode})")
+        self._tokenizer = pickle.loads(msg.tokenizer)
+        self._max_model_len = msg.max_model_len
+        self._stats = msg.stats
         self.num_failed_steps = 0
         self._sender = threading.Thread(target=self._send_loop, name="wllm-engine-process-send", daemon=True)
         self._sender.start()
@@ -278,13 +290,21 @@ class EngineProcess:
         # aborted here (sent before the child saw the abort) cannot land on a new request of the same id.
         self._next_key = 0
         self._keys: dict[str, str] = {}  # request id -> key of its running request
-        self._running: dict[str, _Request] = {}  # key -> its request
+        self._running: dict[str, _Running] = {}  # key -> its request
         self._aborts_unanswered = 0  # read on until the child's answer (and its fresh stats) are in
         self._rejected: deque[tuple[str, BaseException]] = deque()
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     def is_alive(self) -> bool:
         """Whether the child still runs (False once closed)."""
@@ -294,35 +314,33 @@ class EngineProcess:
     def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Send a request to the child. Its validation happens there: a refused request comes back from
-        `take_rejected` after a later `step()`."""
+        `take_rejected` after a later `step_deltas()`."""
         if request_id in self._keys:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = list(prompt)
         key = f"{request_id}#{self._next_key}"
-        self._send(("add", key, ids, params or SamplingParams(), priority, cache_salt,
-                    time.monotonic() if arrival_time is None else arrival_time))
+        self._send(AddRequest(key, list(prompt), params or SamplingParams(), priority, cache_salt,
+                              time.monotonic() if arrival_time is None else arrival_time))
         self._next_key += 1
         self._keys[request_id] = key
-        self._running[key] = _Request(request_id, ids)
+        self._running[key] = _Running(request_id)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request; returns its final output (what had come so far, finish reason "abort" for the
-        choices still running), None if it is not running. The child frees its blocks at its next step
-        boundary."""
+    def abort_delta(self, request_id: str) -> RequestDelta | None:
+        """Stop a request; returns its last delta (finish reason "abort" for the choices still running), None
+        if it is not running. The child frees its blocks at its next step boundary."""
         key = self._keys.pop(request_id, None)
         if key is None:
             return None
         request = self._running.pop(key)
         if self._send_error is None:  # a gone child has nothing left to abort; the reader sees its exit
-            self._put(("abort", key))
+            self._put(AbortRequest(key))
             self._aborts_unanswered += 1
-        return request.output(True, reason="abort")
+        return request.aborted()
 
     def has_unfinished(self) -> bool:
         return bool(self._running) or self._aborts_unanswered > 0
 
-    def step(self) -> list[RequestOutput]:
-        """The outputs of the child's next step (waits for it; rejections and answers to aborts on the way
+    def step_deltas(self) -> list[RequestDelta]:
+        """The deltas of the child's next step (waits for it; rejections and answers to aborts on the way
         are taken in). Returns [] if nothing is left to wait for. Raises EngineProcessError when the child
         has stopped."""
         while self.has_unfinished():
@@ -331,42 +349,43 @@ class EngineProcess:
             except (EOFError, OSError):
                 self._proc.join(5)
                 raise EngineProcessError(f"the engine process exited (exit code {self._proc.exitcode})") from None
-            kind = msg[0]
-            if kind == "step":
-                _, encoded, self._stats, self.num_failed_steps = msg
-                outputs = []
-                for m in encoded:
-                    request = self._running.get(m[0])
+            if isinstance(msg, StepOutputs):
+                self._stats, self.num_failed_steps = msg.stats, msg.num_failed_steps
+                deltas = []
+                for delta in msg.deltas:
+                    key = delta.request_id
+                    request = self._running.get(key)
                     if request is None:
                         continue  # aborted here while the step ran
-                    out = request.apply(m)
-                    if out.finished:
-                        del self._running[m[0]], self._keys[request.request_id]
-                    outputs.append(out)
-                return outputs
-            if kind == "rejected":
-                _, key, error, self._stats = msg
-                request = self._running.pop(key, None)
-                if request is not None:
-                    del self._keys[request.request_id]
-                    self._rejected.append((request.request_id, error))
-            elif kind == "aborted":
-                self._stats = msg[2]
+                    request.seen(delta)
+                    delta.request_id = request.request_id
+                    if delta.finished:
+                        del self._running[key], self._keys[request.request_id]
+                    deltas.append(delta)
+                return deltas
+            if isinstance(msg, Rejected):
+                self._stats = msg.stats
+                rejected = self._running.pop(msg.key, None)
+                if rejected is not None:
+                    del self._keys[rejected.request_id]
+                    self._rejected.append((rejected.request_id, msg.error.exception()))
+            elif isinstance(msg, Aborted):
+                self._stats = msg.stats
                 self._aborts_unanswered -= 1
-            elif kind == "dead":
-                raise EngineProcessError(f"the engine process failed: {msg[1]}")
+            elif isinstance(msg, EngineFailed):
+                raise EngineProcessError(f"the engine process failed: {msg.error.message}")
             else:
-                raise EngineProcessError(f"unexpected message from the engine process: {kind!r}")
+                raise EngineProcessError(f"unexpected message from the engine process: {type(msg).__name__}")
         return []
 
-    def _recv(self) -> Any:
+    def _recv(self) -> Reply:
         """The child's next message; EOFError once it has exited with nothing left to read. Waits on the
         process too: on Windows a child that dies before taking over its pipe ends leaves ours open."""
         if not self._conn.poll():
             ready = multiprocessing.connection.wait([self._conn, self._proc.sentinel])
             if self._conn not in ready and not self._conn.poll():
                 raise EOFError
-        return self._conn.recv()
+        return self._decode(self._conn.recv_bytes())
 
     def take_rejected(self) -> list[tuple[str, BaseException]]:
         """Requests the child refused since the last call, with the error `add_request` raised there."""
@@ -382,13 +401,13 @@ class EngineProcess:
         if self.closed:
             return
         self.closed = True
-        self._put(("stop",))
+        self._put(Shutdown())
         deadline = time.monotonic() + timeout
         # Read on while waiting: a child blocked sending a step's results would never see the stop.
         while self._proc.is_alive() and time.monotonic() < deadline:
             try:
                 if self._conn.poll(0.05):
-                    self._conn.recv()
+                    self._conn.recv_bytes()
             except (EOFError, OSError):
                 break
         self._proc.join(max(0.0, deadline - time.monotonic()))
@@ -398,19 +417,19 @@ class EngineProcess:
             self._proc.join(5)
         self._conn.close()
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send(self, msg: AddRequest) -> None:
         if self._send_error is not None:
             raise EngineProcessError(f"the engine process is gone ({self._send_error})")
         self._put(msg)
 
-    def _put(self, msg: tuple[Any, ...]) -> None:
+    def _put(self, msg: AddRequest | AbortRequest | Shutdown) -> None:
         with self._outbox_ready:
             self._outbox.append(msg)
             self._outbox_ready.notify()
 
     def _send_loop(self) -> None:
         """The sender thread: writes queued commands to the child in order, never holding up the reader. It
-        ends after sending "stop" (`close` always queues it) or when the child is gone (a killed child
+        ends after sending `Shutdown` (`close` always queues it) or when the child is gone (a killed child
         breaks a blocked send too)."""
         while True:
             with self._outbox_ready:
@@ -420,8 +439,8 @@ class EngineProcess:
                 self._outbox.clear()
             try:
                 for msg in batch:
-                    self._commands.send(msg)
-                    if msg[0] == "stop":
+                    self._commands.send_bytes(self._encode(msg))
+                    if isinstance(msg, Shutdown):
                         self._commands.close()
                         return
             except (OSError, ValueError) as e:

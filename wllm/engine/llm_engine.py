@@ -30,6 +30,7 @@ included) before rewriting the pinned staging buffers for the step after it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -51,7 +52,7 @@ from wllm.engine.request import RequestGroup, SequenceStatus
 from wllm.engine.scheduler import Scheduler
 from wllm.engine.step_plan import StepPlan
 from wllm.engine.worker import StepHandle, Worker, model_device
-from wllm.outputs import CompletionOutput, ListPrefix, RequestOutput
+from wllm.outputs import CompletionOutput, DeltaEncoder, ListPrefix, RequestDelta, RequestOutput
 from wllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -439,3 +440,27 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
 
+    # ------------------------------------------------- the EngineCore protocol (wllm.engine.protocol)
+    # What AsyncEngine drives, here and (through the same methods) in an engine process's child. A caller
+    # uses either these or `step` / `abort` on one engine, not both: the deltas are taken against what
+    # `step_deltas` returned before.
+    @functools.cached_property
+    def _delta_encoder(self) -> DeltaEncoder:
+        return DeltaEncoder()
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """`step()` for a streaming consumer: the new tokens, text and logprobs of every request that changed."""
+        encode = self._delta_encoder.encode
+        return [encode(out) for out in self.step()]
+
+    def abort_delta(self, request_id: str) -> RequestDelta | None:
+        """`abort()` for a streaming consumer: the request's last delta, None if it is not running."""
+        out = self.abort(request_id)
+        return None if out is None else self._delta_encoder.encode(out)
+
+    def take_rejected(self) -> list[tuple[str, BaseException]]:
+        """Always empty: `add_request` raises in its caller's thread."""
+        return []
+
+    def is_alive(self) -> bool:
+        return not self.closed

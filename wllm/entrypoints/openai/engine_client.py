@@ -1,7 +1,8 @@
 """What the HTTP layer needs from the engine, as a typing.Protocol.
 
-`wllm.engine.async_engine.AsyncEngine` satisfies it; tests drive the app with a scripted fake.
-Keeping the seam this narrow lets the engine later move into its own process unchanged.
+`wllm.engine.async_engine.AsyncEngine` satisfies it; tests drive the app with a scripted fake
+(tests/fake_engine.py). A request's outputs come as `RequestDelta`s: per step only what is new, which the
+handlers turn into SSE chunks as they are (a non-streamed response accumulates them: `OutputAccumulator`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from wllm.outputs import RequestOutput
+from wllm.outputs import RequestDelta
 from wllm.sampling_params import SamplingParams
 
 try:  # the engine defines its errors; the fallbacks keep the API layer importable on its own
@@ -50,8 +51,11 @@ class TokenizerLike(Protocol):
 class EngineClient(Protocol):
     """The engine as the server sees it."""
 
-    tokenizer: TokenizerLike
-    max_model_len: int
+    @property
+    def tokenizer(self) -> TokenizerLike: ...
+
+    @property
+    def max_model_len(self) -> int: ...
 
     def generate(
         self,
@@ -61,8 +65,9 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs; raises QueueFullError when the waiting queue is full,
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream the request's deltas (the last one has `finished` set; a consumer that falls behind gets
+        what it missed merged into one); raises QueueFullError when the waiting queue is full,
         EngineDeadError when the engine has failed, ValueError for a request it cannot take."""
         ...
 

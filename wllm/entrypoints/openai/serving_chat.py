@@ -35,9 +35,10 @@ from wllm.entrypoints.openai.serving_common import (
     resolve_max_tokens,
     unless_disconnected,
     usage_from,
+    usage_of,
 )
 from wllm.entrypoints.openai.sse import DONE, SSE_HEADERS, sse_event
-from wllm.outputs import RequestOutput, StepLogprobs
+from wllm.outputs import RequestDelta, StepLogprobs
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -118,14 +119,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     model, created = ctx.model_name, int(time.time())
 
     if not req.stream:
-        async def final() -> RequestOutput:
-            last = None
-            async for out in run.outputs():
-                last = out
-            assert last is not None
-            return last
-
-        out = await unless_disconnected(final(), request.receive)
+        out = await unless_disconnected(run.final(), request.receive)
         choices = [
             ChatCompletionChoice(
                 index=c.index,
@@ -153,23 +147,20 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         return sse_event(c)
 
     async def events() -> AsyncIterator[bytes]:
-        sent_text = [0] * params.n
-        sent_lps = [0] * params.n
         done = [False] * params.n
         for i in range(params.n):
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
 
-        def deltas(out: RequestOutput) -> list[bytes]:
+        def deltas(out: RequestDelta) -> list[bytes]:
             frames = []
             for c in out.outputs:
                 i = c.index
                 if done[i]:
                     continue
-                text = c.text[sent_text[i]:]
-                steps = (c.logprobs or [])[sent_lps[i]:] if req.logprobs else []
+                text = c.text
+                steps = (c.logprobs or []) if req.logprobs else []
                 if not text and not steps and c.finish_reason is None:
                     continue
-                sent_text[i], sent_lps[i] = len(c.text), sent_lps[i] + len(steps)
                 delta = DeltaMessage(content=text) if text or steps else DeltaMessage()
                 lps = chat_logprobs(ctx, steps, top_n) if req.logprobs and steps else None
                 frames.append(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lps,
@@ -178,17 +169,15 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             return frames
 
         try:
-            last = first
             for frame in deltas(first):
                 yield frame
             async for out in outputs:
-                last = out
                 for frame in deltas(out):
                     yield frame
             if include_usage:
                 yield sse_event(ChatCompletionChunk(id=request_id, created=created, model=model,
                                                     system_fingerprint=SYSTEM_FINGERPRINT, choices=[],
-                                                    usage=usage_from([last])))
+                                                    usage=usage_of([run])))
         except APIError as exc:
             # Headers are gone already; OpenAI clients surface an `error` event as an APIError.
             yield sse_event(exc.body())

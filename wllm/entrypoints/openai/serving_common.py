@@ -1,8 +1,9 @@
 """Pieces shared by the chat and text completion handlers.
 
 `ServerContext` bundles the engine and the server-wide services. `EngineRun` drives one engine
-request: it maps engine errors to HTTP errors, feeds metrics, the request log and the trace,
-and aborts the engine request whenever its consumer stops early (client disconnect, error).
+request: it hands on the engine's deltas, maps engine errors to HTTP errors, feeds metrics, the request
+log and the trace (from counters it keeps, not from cumulative outputs), and aborts the engine request
+whenever its consumer stops early (client disconnect, error).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from wllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from wllm.entrypoints.openai.rate_limit import RateLimiter
 from wllm.observability.metrics import ServerMetrics
 from wllm.observability.tracing import RequestTracer
-from wllm.outputs import RequestOutput
+from wllm.outputs import OutputAccumulator, RequestDelta, RequestOutput, StepLogprobs
 from wllm.sampling_params import SamplingParams
 from wllm.version import __version__
 
@@ -241,6 +242,18 @@ def usage_from(outputs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
+    return _usage(prompt, completion, cached)
+
+
+def usage_of(runs: list[EngineRun]) -> UsageInfo:
+    """`usage_from` for streamed runs, from the counters they kept."""
+    prompt = sum(len(r.prompt_ids) for r in runs)
+    completion = sum(r.completion_tokens for r in runs)
+    cached = sum(r.num_cached_tokens for r in runs)
+    return _usage(prompt, completion, cached)
+
+
+def _usage(prompt: int, completion: int, cached: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
@@ -258,15 +271,18 @@ class EngineRun:
         self.priority = priority
         self.cache_salt = cache_salt
         self.finished = False
-        self.last: RequestOutput | None = None
+        self.last: RequestDelta | None = None
+        self.completion_tokens = 0  # all choices together
+        self.num_cached_tokens = 0
+        self.prompt_logprobs: list[StepLogprobs | None] | None = None  # what has come (echo needs them whole)
+        self._choice_tokens: dict[int, int] = {}
         self._arrival = time.monotonic()
         self._first_token: float | None = None
         self._last_token_time: float | None = None
         self._tokens_seen = 0  # longest choice so far
-        self._generated = 0  # all choices together
 
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """Engine outputs until finished; raises APIError for a full queue or an engine failure."""
+    async def outputs(self) -> AsyncIterator[RequestDelta]:
+        """The engine's deltas until finished; raises APIError for a full queue or an engine failure."""
         ctx = self.ctx
         try:
             stream = ctx.engine.generate(self.prompt_ids, self.params, self.request_id,
@@ -302,21 +318,38 @@ class EngineRun:
             if not self.finished:
                 await self.abort()
 
+    async def final(self) -> RequestOutput:
+        """Run to the end; the whole output (a non-streamed response)."""
+        acc = OutputAccumulator(self.request_id, self.prompt_ids)
+        async for delta in self.outputs():
+            acc.add(delta)
+        return acc.output()
+
     async def abort(self) -> None:
         self.finished = True
         with contextlib.suppress(Exception):
             await asyncio.shield(self.ctx.engine.abort(self.request_id))
 
-    def _observe(self, out: RequestOutput) -> None:
+    def _observe(self, out: RequestDelta) -> None:
         self.last = out
-        generated = sum(len(c.token_ids) for c in out.outputs)
-        if generated <= self._generated:
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = []
+            self.prompt_logprobs.extend(out.prompt_logprobs)
+        new = 0
+        counts = self._choice_tokens
+        for c in out.outputs:
+            if c.token_ids:
+                new += len(c.token_ids)
+                counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+        if not new:
             return
         now = time.monotonic()
         metrics = self.ctx.metrics
-        metrics.record_generated(generated - self._generated, now)
-        self._generated = generated
-        longest = max(len(c.token_ids) for c in out.outputs)
+        metrics.record_generated(new, now)
+        self.completion_tokens += new
+        longest = max(counts.values())
         if self._first_token is None:
             self._first_token = now
         elif self._last_token_time is not None:
@@ -337,10 +370,10 @@ class EngineRun:
         scheduled = m.first_scheduled_time if m is not None else None
         first = (m.first_token_time if m is not None else None) or self._first_token
         done = (m.finished_time if m is not None else None) or time.monotonic()
-        prompt, cached = len(out.prompt_token_ids), out.num_cached_tokens
+        prompt, cached = len(self.prompt_ids), out.num_cached_tokens
         rec.prompt_tokens += prompt
         rec.cached_tokens += cached
-        rec.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        rec.completion_tokens += self.completion_tokens
         metrics.prompt_tokens.inc(prompt)
         metrics.cached_prompt_tokens.inc(cached)
         if scheduled is not None:
@@ -353,7 +386,7 @@ class EngineRun:
             metrics.e2e.observe(max(0.0, done - received))
         if self.ctx.tracer is not None and rec.span is not None:
             self.ctx.tracer.add_phases(rec.span, arrival, scheduled, first, done,
-                                       {"wllm.completion_tokens": sum(len(c.token_ids) for c in out.outputs)})
+                                       {"wllm.completion_tokens": self.completion_tokens})
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:

@@ -25,9 +25,10 @@ from wllm.entrypoints.openai.serving_common import (
     resolve_max_tokens,
     unless_disconnected,
     usage_from,
+    usage_of,
 )
 from wllm.entrypoints.openai.sse import DONE, SSE_HEADERS, sse_event
-from wllm.outputs import RequestOutput, StepLogprobs
+from wllm.outputs import OutputAccumulator, RequestDelta, RequestOutput, StepLogprobs
 
 MAX_PROMPTS = 64  # prompts per request; each becomes its own engine request
 
@@ -85,7 +86,7 @@ class _LogprobWriter:
         return lp
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncIterator[RequestDelta]]) -> AsyncIterator[tuple[int, RequestDelta]]:
     """Interleave several engine streams as their outputs arrive; closing this closes them all."""
     if len(streams) == 1:
         try:
@@ -94,9 +95,9 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         finally:
             await streams[0].aclose()  # type: ignore[attr-defined]
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestDelta | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, stream: AsyncIterator[RequestDelta]) -> None:
         try:
             async for out in stream:
                 await queue.put((i, out))
@@ -149,28 +150,29 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
     prompt_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]
     n, model, created = req.n, ctx.model_name, int(time.time())
 
-    def prompt_part(i: int, out: RequestOutput, writer: _LogprobWriter | None) -> tuple[str, CompletionLogprobs | None]:
+    def prompt_part(i: int, prompt_logprobs: list[StepLogprobs | None] | None,
+                    writer: _LogprobWriter | None) -> tuple[str, CompletionLogprobs | None]:
         """What echo prepends to a choice: the prompt text and (with logprobs) its token logprobs."""
         if not req.echo:
             return "", None
         if writer is None:
             return prompt_texts[i], None
-        steps = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids))
-        return prompt_texts[i], writer.build(steps, out.prompt_token_ids)
+        steps = list(prompt_logprobs or [None] * len(prompt_ids[i]))
+        return prompt_texts[i], writer.build(steps, prompt_ids[i])
 
     if not req.stream:
         async def finals() -> list[RequestOutput]:
-            last: dict[int, RequestOutput] = {}
+            accs = [OutputAccumulator(r.request_id, r.prompt_ids) for r in runs]
             async for i, out in _merge([r.outputs() for r in runs]):
-                last[i] = out
-            return [last[i] for i in range(len(runs))]
+                accs[i].add(out)
+            return [acc.output() for acc in accs]
 
         outs = await unless_disconnected(finals(), request.receive)
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
                 writer = _LogprobWriter(ctx, top_n) if top_n is not None else None
-                text, lps = prompt_part(i, out, writer)
+                text, lps = prompt_part(i, out.prompt_logprobs, writer)
                 if writer is not None and lps is not None:
                     gen = writer.build(list(c.logprobs or []), c.token_ids)
                     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -194,29 +196,28 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
         return sse_event(body)
 
     async def events() -> AsyncIterator[bytes]:
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        started: set[int] = set()
         writers: dict[int, _LogprobWriter] = {}
         finished: set[int] = set()
-        last: dict[int, RequestOutput] = {}
+        seen: set[int] = set()
 
-        def deltas(i: int, out: RequestOutput) -> list[bytes]:
+        def deltas(i: int, out: RequestDelta) -> list[bytes]:
             frames = []
-            last[i] = out
+            seen.add(i)
             for c in out.outputs:
                 idx = i * n + c.index
                 if idx in finished:
                     continue
                 prefix, lps = "", None
-                if idx not in sent_text:  # first event of this choice: echo goes here
-                    sent_text[idx], sent_tokens[idx] = 0, 0
+                if idx not in started:  # first event of this choice: echo goes here
+                    started.add(idx)
                     if top_n is not None:
                         writers[idx] = _LogprobWriter(ctx, top_n)
-                    prefix, lps = prompt_part(i, out, writers.get(idx))
-                text = c.text[sent_text[idx]:]
-                new_ids = c.token_ids[sent_tokens[idx]:]
+                    prefix, lps = prompt_part(i, runs[i].prompt_logprobs, writers.get(idx))
+                text = c.text
+                new_ids = c.token_ids
                 if top_n is not None and new_ids:
-                    steps = list((c.logprobs or [])[sent_tokens[idx]:])
+                    steps = list(c.logprobs or [])
                     gen = writers[idx].build(steps, new_ids)
                     if lps is None:
                         lps = gen
@@ -225,7 +226,6 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
                             getattr(lps, field).extend(getattr(gen, field))
                 if not (prefix or text or lps or c.finish_reason):
                     continue
-                sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
                 frames.append(chunk(CompletionChoice(index=idx, text=prefix + text, logprobs=lps,
                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
                 if c.finish_reason is not None:
@@ -240,7 +240,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
                     yield frame
             if include_usage:
                 yield sse_event(CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                                   usage=usage_from([last[i] for i in sorted(last)]),
+                                                   usage=usage_of([runs[i] for i in sorted(seen)]),
                                                    system_fingerprint=SYSTEM_FINGERPRINT))
         except APIError as exc:
             yield sse_event(exc.body())

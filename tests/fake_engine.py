@@ -1,10 +1,14 @@
-"""A scripted, deterministic stand-in for AsyncEngine, for testing the HTTP layer without a model.
+"""Model-free test doubles for the two engine seams (tests and benchmarks/frontend_cpu.py; not shipped).
 
-The tokenizer is character-level (token id = code point + 3; 0, 1, 2 are BOS, EOS, PAD). The
+`ScriptedEngine` stands in for AsyncEngine (the HTTP layer's `EngineClient`), to test the server without a
+model. The tokenizer is character-level (token id = code point + 3; 0, 1, 2 are BOS, EOS, PAD). The
 engine "generates" a fixed script per choice, one character per step, honouring max_tokens,
 stop strings, stop token ids, n, seed, logprobs and prompt_logprobs; it simulates prefix
-caching (blocks of 4 tokens), a bounded queue, aborts and an unhealthy state. Its outputs follow
-the RequestOutput contract exactly (cumulative text, token ids and logprobs).
+caching (blocks of 4 tokens), a bounded queue, aborts and an unhealthy state. It streams `RequestDelta`s
+as AsyncEngine does (taken from the cumulative state by the engine's own `DeltaEncoder`).
+
+`FloodEngine` stands in for LLMEngine one level below (an `EngineCore`, under the real AsyncEngine or in
+an EngineProcess's child).
 """
 
 from __future__ import annotations
@@ -12,11 +16,20 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from wllm.entrypoints.openai.engine_client import QueueFullError
-from wllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepLogprobs, TokenLogprob
+from wllm.outputs import (
+    CompletionDelta,
+    CompletionOutput,
+    DeltaEncoder,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+    StepLogprobs,
+    TokenLogprob,
+)
 from wllm.sampling_params import SamplingParams
 
 BOS, EOS, PAD = 0, 1, 2
@@ -125,7 +138,7 @@ class ScriptedEngine:
         return best - best % CACHE_BLOCK
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
         if not self.healthy:
             raise RuntimeError("engine is dead")
         if self.max_waiting and len(self.active) >= self.max_waiting:
@@ -144,6 +157,7 @@ class ScriptedEngine:
         seqs = [CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None)
                 for i in range(params.n)]
         metrics = RequestMetrics(arrival_time=arrival, first_scheduled_time=time.monotonic())
+        encoder = DeltaEncoder()
         step = 0
         try:
             while any(s.finish_reason is None for s in seqs):
@@ -165,13 +179,13 @@ class ScriptedEngine:
                     metrics.finished_time = time.monotonic()
                     self.active.pop(request_id, None)
                     self.finished_ids.append(request_id)
-                yield RequestOutput(
+                yield encoder.encode(RequestOutput(
                     request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                     outputs=[CompletionOutput(index=s.index, text=_visible(s, params.stop), token_ids=list(s.token_ids),
                                               logprobs=None if s.logprobs is None else list(s.logprobs),
                                               finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                              for s in seqs],
-                    finished=done, num_cached_tokens=cached, prompt_logprobs=prompt_lps, metrics=metrics)
+                    finished=done, num_cached_tokens=cached, prompt_logprobs=prompt_lps, metrics=metrics))
         finally:
             # A consumer that stops iterating early aborts the request, as with the real AsyncEngine.
             if self.active.pop(request_id, None) is not None:
@@ -213,10 +227,11 @@ class ScriptedEngine:
 
 
 class FloodEngine:
-    """An `LLMEngine` stand-in with no model, one level below ScriptedEngine (under the real AsyncEngine or
-    an EngineProcess): every running request gets one token per step (id 7, 8, ...; text "t" each) until
-    `max_tokens`, its prompt echoed in its outputs; `step_delay` seconds per step, slept (no GIL held, like
-    a GPU step); a step from `fail_at_step` on raises. Engine-process tests and benchmarks/frontend_cpu.py."""
+    """An `EngineCore` (what AsyncEngine drives) with no model: every running request gets one token per step
+    (id 7, 8, ...; text "t" each) until `max_tokens`, its prompt's "logprobs" (each prompt token, logprob 0)
+    in its first delta when it asks for prompt logprobs; `step_delay` seconds per step, slept (no GIL held,
+    like a GPU step); a step from `fail_at_step` on raises. Engine-process tests and
+    benchmarks/frontend_cpu.py."""
 
     model_source = "flood"
 
@@ -227,7 +242,9 @@ class FloodEngine:
         self.step_delay = step_delay
         self.fail_at_step = fail_at_step
         self.steps = 0
-        self.running: dict[str, tuple[list[int], list[int], int, float]] = {}
+        self.closed = False
+        # id -> (tokens so far, max_tokens, arrival, prompt logprobs still to send)
+        self.running: dict[str, tuple[int, int, float, list[StepLogprobs | None] | None]] = {}
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> FloodEngine:
@@ -239,41 +256,52 @@ class FloodEngine:
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": 0.0}
 
-    def add_request(self, request_id: str, prompt: list[int], params: Any, *, priority: int = 0,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | None = None, *,
+                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
         if request_id in self.running:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.max_tokens is None or params.max_tokens > 1000:
             raise ValueError("the stub gives at most 1000 tokens")
-        self.running[request_id] = (list(prompt), [], params.max_tokens, time.monotonic())
+        prompt_lps: list[StepLogprobs | None] | None = None
+        if params.prompt_logprobs is not None:
+            ids = list(prompt)
+            prompt_lps = [None] + [StepLogprobs(t, 0.0, 1, []) for t in ids[1:]]
+        self.running[request_id] = (0, params.max_tokens, time.monotonic(), prompt_lps)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort_delta(self, request_id: str) -> RequestDelta | None:
         entry = self.running.pop(request_id, None)
-        return None if entry is None else self._output(request_id, entry, "abort")
+        if entry is None:
+            return None
+        return RequestDelta(request_id, [CompletionDelta(0, "", [], finish_reason="abort")], finished=True,
+                            metrics=RequestMetrics(arrival_time=entry[2]))
 
     def has_unfinished(self) -> bool:
         return bool(self.running)
 
-    def step(self) -> list[RequestOutput]:
+    def step_deltas(self) -> list[RequestDelta]:
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             raise RuntimeError("the stub engine broke")
         time.sleep(self.step_delay)
         outs = []
-        for rid, entry in list(self.running.items()):
-            entry[1].append(len(entry[1]) + 7)
-            done = len(entry[1]) >= entry[2]
-            outs.append(self._output(rid, entry, "length" if done else None))
+        for rid, (done_tokens, max_tokens, arrival, prompt_lps) in list(self.running.items()):
+            token = done_tokens + 7
+            done = done_tokens + 1 >= max_tokens
+            outs.append(RequestDelta(rid, [CompletionDelta(0, "t", [token], finish_reason="length" if done else None)],
+                                     finished=done, prompt_logprobs=prompt_lps,
+                                     metrics=RequestMetrics(arrival_time=arrival)))
             if done:
                 del self.running[rid]
+            else:
+                self.running[rid] = (done_tokens + 1, max_tokens, arrival, None)
         return outs
 
-    @staticmethod
-    def _output(rid: str, entry: tuple[list[int], list[int], int, float], reason: str | None) -> RequestOutput:
-        prompt, tokens, _, arrival = entry
-        return RequestOutput(request_id=rid, prompt_token_ids=prompt,
-                             outputs=[CompletionOutput(0, "t" * len(tokens), list(tokens), finish_reason=reason)],
-                             finished=reason is not None, metrics=RequestMetrics(arrival_time=arrival))
+    def take_rejected(self) -> list[tuple[str, BaseException]]:
+        return []
+
+    def is_alive(self) -> bool:
+        return not self.closed
 
     def close(self) -> None:
-        pass
+        self.closed = True
