@@ -11,6 +11,7 @@ cuobjdump is taken from --cuobjdump, PATH, CUDA_HOME/bin or the `nvidia-cuda-cuo
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import json
 import os
@@ -68,6 +69,17 @@ def ptx_archs(cuobjdump: Path, library: Path) -> set[str]:
     return set(re.findall(r"\.sm_(\d+)\.ptx", proc.stdout))
 
 
+def load_problem(library: Path) -> str | None:
+    """Why the library cannot be loaded (e.g. a symbol no object defines: the linker leaves it for the
+    loader, and ctypes binds every symbol at load), or None. Needs no GPU: cudart is linked statically
+    and finds the driver only when first called."""
+    try:
+        ctypes.CDLL(str(library))
+    except OSError as e:
+        return str(e)
+    return None
+
+
 def audit(wheel: Path, toolkits: list[str] | None, cuobjdump: Path) -> list[str]:
     """Returns the list of problems (empty when the wheel keeps every promise)."""
     matrix = load_matrix()
@@ -87,6 +99,9 @@ def audit(wheel: Path, toolkits: list[str] | None, cuobjdump: Path) -> list[str]
         info = json.loads(zf.read("wllm/_lib/build_info.json")) if "wllm/_lib/build_info.json" in zf.namelist() else {}
         found = kernels_by_sm(cuobjdump, library)
         ptx = ptx_archs(cuobjdump, library)
+        unresolved = load_problem(library)
+        if unresolved:
+            problems.append(f"{name}: the kernel library does not load: {unresolved}")
     all_kernels = set().union(*found.values()) if found else set()
     print(f"{name}: kernel library {libs[0]}")
     for leg in legs:

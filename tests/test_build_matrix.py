@@ -127,3 +127,23 @@ def _matrix_cli(*args: str) -> str:
 
 def test_matrix_cli_rejects_unknown_command() -> None:
     assert matrix_cli.main(["bogus"]) == 2
+
+
+def test_audit_refuses_a_library_with_an_unresolved_symbol(tmp_path: Path) -> None:
+    """A symbol no object defines links into a shared library silently; the audit loads the library, as
+    `wllm.kernels` will, so such a wheel fails CI instead of every user's kernel path."""
+    import shutil
+
+    import audit_wheel
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or sys.platform == "win32":
+        pytest.skip("needs a C compiler that builds ELF shared libraries")
+    src = tmp_path / "lib.c"
+    src.write_text("extern int wllm_defined_nowhere(void);\nint entry(void) { return wllm_defined_nowhere(); }\n")
+    bad, good = tmp_path / "bad.so", tmp_path / "good.so"
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(bad)], check=True)
+    src.write_text("int entry(void) { return 0; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(good)], check=True)
+    assert "wllm_defined_nowhere" in (audit_wheel.load_problem(bad) or "")
+    assert audit_wheel.load_problem(good) is None
