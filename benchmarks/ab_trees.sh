@@ -3,7 +3,7 @@
 #   bash benchmarks/ab_trees.sh BEFORE_DIR AFTER_DIR ROUNDS PART [PART ...]
 # PART: digest (benchmarks/outputs_digest.py on $DIGEST_SHAPES, default both shapes), latency, prefill, throughput (`wllm bench`,
 # no HF). Each tree runs with its own kernel library (DIR/wllm/_lib) and PYTHONPATH=/tmp/site:DIR (the
-# dependency wheels device_run.sh installs). JSON and logs go to $OUT; a table of every number is last.
+# dependency wheels device_run.sh installs). AB_ORDER="after before" runs the second tree first in each round. JSON and logs go to $OUT; a table of every number is last.
 set -uo pipefail
 before=$(cd "$1" && pwd); after=$(cd "$2" && pwd); rounds=$3; shift 3
 out=${OUT:-/tmp/ab}
@@ -11,7 +11,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 for part in "$@"; do
   for round in $(seq 1 "$rounds"); do
-    for tree in before after; do
+    for tree in ${AB_ORDER:-before after}; do
       dir=$before; [ "$tree" = after ] && dir=$after
       env=(env PYTHONPATH="/tmp/site:$dir")
       case $part in

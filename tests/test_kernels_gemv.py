@@ -577,7 +577,11 @@ def test_gated_mlp_fuses_the_activation_into_a_gemv(gated: bool, act: str, rows:
     real = linear_method.gemv
 
     def spy(*a, **kw):
-        fused.append(("out", kw["output_activation"]) if kw.get("output_activation") else ("in", a[3]))
+        # Only the fused calls: an activation at the outputs, or on the input (gemv's 4th argument).
+        if kw.get("output_activation"):
+            fused.append(("out", kw["output_activation"]))
+        elif len(a) > 3 and a[3]:
+            fused.append(("in", a[3]))
         return real(*a, **kw)
 
     monkeypatch.setattr(linear_method, "gemv", spy)
@@ -599,8 +603,16 @@ def test_gated_mlp_policy_by_size(inter: int, gated: bool, monkeypatch) -> None:
     activation to the gate_up projection (where the down projection's K is long)."""
     kinds = []
     real = linear_method.gemv
-    monkeypatch.setattr(linear_method, "gemv",
-                        lambda *a, **kw: kinds.append("out" if kw.get("output_activation") else "in") or real(*a, **kw))
+
+    def spy(*a, **kw):
+        # Only the fused calls (plain decode projections take the same kernel without an activation).
+        if kw.get("output_activation"):
+            kinds.append("out")
+        elif len(a) > 3 and a[3]:
+            kinds.append("in")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(linear_method, "gemv", spy)
     mlp = cuda_gated_mlp(2048, inter, "silu")
     mlp(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16))
     assert kinds == ["out" if gated else "in"]
