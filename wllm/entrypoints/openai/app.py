@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from wllm.entrypoints.openai.auth import bearer_token
 from wllm.entrypoints.openai.config import ServerConfig
+from wllm.entrypoints.openai.decoding import StrictRequest
 from wllm.entrypoints.openai.engine_client import EngineClient
 from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
 from wllm.entrypoints.openai.middleware import ObservabilityMiddleware, client_host
@@ -192,6 +193,7 @@ def create_app(
         middleware=[DefineMiddleware(ObservabilityMiddleware, ctx=ctx)],
         cors_config=cors,
         request_max_body_size=config.max_body_bytes,
+        request_class=StrictRequest,  # bounded nesting, strict types, no unknown fields (decoding.py)
         openapi_config=OpenAPIConfig(title="wLLM", version=__version__, path="/docs",
                                      description="OpenAI-compatible LLM inference server"),
         state=State({"server": ctx}),
