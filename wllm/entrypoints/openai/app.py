@@ -119,9 +119,16 @@ async def tokenize(request: Request[Any, Any, Any], data: JSONBody[TokenizeReque
     if (data.prompt is None) == (data.messages is None):
         raise bad_request("give exactly one of `prompt` or `messages`", param="prompt")
     if data.messages is not None:
-        ids = chat_prompt_ids(ctx, data.messages, None, data.add_generation_prompt, None)
+        if data.add_special_tokens is not None:
+            raise bad_request("add_special_tokens applies to `prompt` only; the chat template writes the "
+                              "special tokens of `messages`", param="add_special_tokens")
+        gen = True if data.add_generation_prompt is None else data.add_generation_prompt
+        ids = chat_prompt_ids(ctx, data.messages, None, gen, None)
     else:
-        ids = ctx.engine.tokenizer.encode(data.prompt or "", add_special_tokens=data.add_special_tokens)
+        if data.add_generation_prompt is not None:
+            raise bad_request("add_generation_prompt applies to `messages` only", param="add_generation_prompt")
+        special = True if data.add_special_tokens is None else data.add_special_tokens
+        ids = ctx.engine.tokenizer.encode(data.prompt or "", add_special_tokens=special)
     return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids)
 
 

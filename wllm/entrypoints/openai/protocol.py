@@ -1,6 +1,10 @@
 """msgspec Structs for the OpenAI wire format (requests and responses) plus vLLM-style extras.
 
-Requests accept and ignore unknown fields, as OpenAI's own API does for forward compatibility.
+Requests are strict (`forbid_unknown_fields=True`, and `decoding.StrictRequest` decodes them with
+`strict=True`, so `"10"` is not a number): a field this server does not implement is a 400 naming it,
+never silently ignored. Every declared request field is either honoured or refused with a 400 when
+set (`serving_common.reject_unsupported` and the handlers); the few accepted but unused ones are
+marked "accepted, no effect" with the reason.
 Response fields typed `... | UnsetType = UNSET` are left out of the JSON entirely when unset
 (OpenAI omits `usage` from stream chunks unless `stream_options.include_usage` is set, and a
 final delta is `{}`).
@@ -17,26 +21,42 @@ from msgspec import UNSET, UnsetType
 # ---------------------------------------------------------------- requests
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request object: unknown fields are a 400 naming them."""
+
+
+class StreamOptions(_Strict, kw_only=True):
     include_usage: bool = False
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
-    """One part of a multi-part message; only `text` parts are supported."""
+class ContentPart(_Strict, kw_only=True):
+    """One part of a multi-part message; only `text` parts are supported (the others are declared so
+    that they get a 400 saying their type is not supported rather than "unknown field")."""
 
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(_Strict, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # An assistant turn's reasoning, handed to the chat template (templates read `reasoning_content`).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    # Accepted, no effect when null: OpenAI SDKs echo a response message back with `refusal: null`;
+    # a refusal text is refused (no template renders it).
+    refusal: str | None = None
+    # The deprecated single function call: refused when set (send `tool_calls`).
+    function_call: Any = None
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _SamplingFields(_Strict, kw_only=True):
     """Fields shared by chat and text completions (OpenAI names plus vLLM extras)."""
 
     model: str | None = None
@@ -51,7 +71,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    # Accepted, no effect: OpenAI's end-user id (for the provider's abuse monitoring); SDKs and
+    # proxies send it, and it changes no output.
     user: str | None = None
+    # Known, not implemented: refused when set (beam search; best_of other than n).
+    use_beam_search: bool = False
+    best_of: int | None = None
     # vLLM-style extras
     top_k: int | None = None
     min_p: float | None = None
@@ -70,8 +95,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Tools are rendered into the prompt by the chat template; the reply is returned as text (no
+    # tool-call parsing), so only tool_choice "none" and "auto" are honoured.
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    # Accepted, no effect: a reply never has more than one tool call (it has none).
+    parallel_tool_calls: bool | None = None
+    # The deprecated functions API: refused when set (send `tools`).
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -84,19 +116,19 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
-    best_of: int | None = None
     suffix: str | None = None
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(_Strict, kw_only=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    # Each applies to one input kind only (default true); set with the other kind it is a 400.
+    add_special_tokens: bool | None = None  # prompt
+    add_generation_prompt: bool | None = None  # messages
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(_Strict, kw_only=True):
     model: str | None = None
     tokens: list[int]
 

@@ -32,6 +32,7 @@ from wllm.entrypoints.openai.serving_common import (
     build_sampling_params,
     clean_logprob,
     new_id,
+    reject_unsupported,
     resolve_max_tokens,
     unless_disconnected,
     usage_from,
@@ -47,24 +48,30 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         raise bad_request("messages must contain at least one message", param="messages")
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
+        for field in ("refusal", "function_call"):
+            if getattr(msg, field) is not None:
+                hint = "; send tool_calls instead" if field == "function_call" else ""
+                raise bad_request(f"messages[{i}].{field} is not supported by this server{hint}",
+                                  param=f"messages[{i}].{field}")
         content: str | None
         if isinstance(msg.content, list):
             texts = []
             for part in msg.content:
-                if part.type != "text" or part.text is None:
-                    raise bad_request(f"messages[{i}]: content parts of type {part.type!r} are not supported; "
+                extra = next((f for f in ("image_url", "input_audio", "file") if getattr(part, f) is not None), None)
+                if part.type != "text" or part.text is None or extra is not None:
+                    kind = part.type if part.type != "text" or extra is None else extra
+                    raise bad_request(f"messages[{i}]: content parts of type {kind!r} are not supported; "
                                       "this server accepts text parts only", param=f"messages[{i}].content")
                 texts.append(part.text)
             content = "\n".join(texts)
         else:
             content = msg.content
+        # content null (an assistant turn that only calls tools) renders as "" (see chat_template).
         item: dict[str, Any] = {"role": msg.role, "content": content}
-        if msg.name is not None:
-            item["name"] = msg.name
-        if msg.tool_calls is not None:
-            item["tool_calls"] = msg.tool_calls
-        if msg.tool_call_id is not None:
-            item["tool_call_id"] = msg.tool_call_id
+        for field in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
+            value = getattr(msg, field)
+            if value is not None:
+                item[field] = value
         out.append(item)
     return out
 
@@ -103,6 +110,14 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  record: RequestRecord) -> Response[Any] | Stream:
     ctx.check_model(req.model)
     ctx.check_healthy()
+    reject_unsupported(req)
+    if req.functions is not None or req.function_call is not None:
+        field = "functions" if req.functions is not None else "function_call"
+        raise bad_request(f"{field} (the deprecated functions API) is not supported; send tools", param=field)
+    if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+        what = "'required'" if req.tool_choice == "required" else "a named tool"
+        raise bad_request(f"tool_choice {what} is not supported yet: this server does not parse tool calls "
+                          "out of the reply (tool_choice 'auto' and 'none' are)", param="tool_choice")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported by this "
                           "server; only 'text' is", param="response_format")

@@ -173,6 +173,14 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
     return requested
 
 
+def reject_unsupported(req: Any) -> None:
+    """400 for the sampling fields chat and completions declare but do not implement, when set."""
+    if req.use_beam_search:
+        raise bad_request("use_beam_search is not supported by this server", param="use_beam_search")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported (only best_of equal to n)", param="best_of")
+
+
 def build_sampling_params(ctx: ServerContext, req: Any, *, max_tokens: int, logprobs: int | None,
                           prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from the fields chat and completions share, with the server's bounds enforced."""

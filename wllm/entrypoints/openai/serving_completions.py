@@ -22,6 +22,7 @@ from wllm.entrypoints.openai.serving_common import (
     build_sampling_params,
     clean_logprob,
     new_id,
+    reject_unsupported,
     resolve_max_tokens,
     unless_disconnected,
     usage_from,
@@ -130,10 +131,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
                             record: RequestRecord) -> Response[Any] | Stream:
     ctx.check_model(req.model)
     ctx.check_healthy()
+    reject_unsupported(req)
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of is not supported (only best_of equal to n)", param="best_of")
     tok = ctx.engine.tokenizer
     prompts = parse_prompts(req.prompt, getattr(tok, "vocab_size", None))
     prompt_ids = [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
