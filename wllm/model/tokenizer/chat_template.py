@@ -142,6 +142,10 @@ def _prepare_message(message: Any, index: int) -> dict[str, Any]:
         raise ChatTemplateError(f"message {index} must be an object with 'role' and 'content', got {msg!r}")
     # OpenAI clients send content=None / tool_calls=None; templates handle a missing key, not None.
     msg = {k: v for k, v in msg.items() if v is not None}
+    # ...except content: an assistant turn with tool_calls has `content: null` (valid OpenAI history),
+    # and many templates concatenate message['content'] unconditionally, which fails on a missing key
+    # as on None. The empty string renders as "no text" in every template.
+    msg.setdefault("content", "")
     reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
     if reasoning is not None:
         msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
