@@ -203,12 +203,16 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.stream("POST", f"{server.base_url}/chat/completions", json=body, headers=headers, timeout=60) as r:
         events: list[str] = []
+        running = None
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line)
             if len(events) >= 3:
+                # Read the gauge while the stream is still being read: leaving iter_lines() closes the
+                # connection, and the server may already have dropped the request by the next line.
+                running = metrics(server)["wllm_num_requests_running"]
                 break
-        assert metrics(server)["wllm_num_requests_running"] == 1.0
+        assert running == 1.0
     # The connection is closed: the engine must drop the request and free its KV blocks. Engine
     # stats are refreshed by engine steps, so run one short request through before looking.
     deadline = time.monotonic() + 60
