@@ -213,6 +213,7 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str, str]] = [
      "messages[0].content", "image_url"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "image_url": {"url": "x"}}]}]},
      "messages[0].content", "image_url"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content", "needs `text`"),
     (TOKENIZE, {"prompt": None, "messages": MSGS, "add_special_tokens": False}, "add_special_tokens", "prompt"),
     (TOKENIZE, {"add_generation_prompt": False}, "add_generation_prompt", "messages"),
 ]

@@ -58,7 +58,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for part in msg.content:
                 extra = next((f for f in ("image_url", "input_audio", "file") if getattr(part, f) is not None), None)
-                if part.type != "text" or part.text is None or extra is not None:
+                if part.type == "text" and part.text is None and extra is None:
+                    raise bad_request(f"messages[{i}]: a text content part needs `text`",
+                                      param=f"messages[{i}].content")
+                if part.type != "text" or extra is not None:
                     kind = part.type if part.type != "text" or extra is None else extra
                     raise bad_request(f"messages[{i}]: content parts of type {kind!r} are not supported; "
                                       "this server accepts text parts only", param=f"messages[{i}].content")
