@@ -49,8 +49,9 @@ def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     if quotes.size:
         backslash = arr == _BACKSLASH
         if backslash.any() and quotes[-1] > 0:
-            pos = np.arange(arr.size, dtype=np.int64)
-            last_plain = np.maximum.accumulate(np.where(backslash, -1, pos))  # last non-backslash <= i
+            index = np.int32 if arr.size < 2**31 else np.int64  # half the temporaries of int64
+            pos = np.arange(arr.size, dtype=index)
+            last_plain = np.maximum.accumulate(np.where(backslash, index(-1), pos))  # last non-backslash <= i
             before = quotes - 1
             run = np.where(quotes > 0, before - last_plain[np.maximum(before, 0)], 0)
             quotes = quotes[run % 2 == 0]
