@@ -368,3 +368,20 @@ def test_every_message_crosses_as_a_typed_struct():
     assert [msgspec.msgpack.decode(enc.encode(r), type=Reply) for r in replies] == replies
     errors = [RemoteError.of(e).exception() for e in (ValueError("v"), QueueFullError("q"), OSError("o"))]
     assert [(type(e), str(e)) for e in errors] == [(ValueError, "v"), (QueueFullError, "q"), (EngineProcessError, "o")]
+
+
+def test_a_command_msgpack_cannot_carry_fails_alone():
+    """A prompt id past 64 bits cannot be encoded for the pipe: that request is refused as bad input (a
+    ValueError, a 400 over HTTP), and the commands after it still reach the child."""
+    engine = _flood_engine()
+    try:
+        with pytest.raises(ValueError, match="cannot be sent to the engine process"):
+            engine.engine.add_request("bad", [2**65], SamplingParams(max_tokens=2))
+
+        async def main():
+            return await asyncio.wait_for(_stream(engine, [1, 2, 3], SamplingParams(max_tokens=3), "good"), 60)
+
+        outs = asyncio.run(main())
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == [7, 8, 9]
+    finally:
+        engine.shutdown(close_engine=True)

@@ -265,7 +265,7 @@ class EngineProcess:
         results_out.close()
         self._decode = msgspec.msgpack.Decoder(Reply).decode
         self._encode = msgspec.msgpack.Encoder(enc_hook=_plain).encode
-        self._outbox: deque[AddRequest | AbortRequest | Shutdown] = deque()
+        self._outbox: deque[tuple[bytes, bool]] = deque()  # (encoded command, is it Shutdown)
         self._outbox_ready = threading.Condition()
         self._send_error: str | None = None
         self.closed = False
@@ -420,11 +420,19 @@ class EngineProcess:
     def _send(self, msg: AddRequest) -> None:
         if self._send_error is not None:
             raise EngineProcessError(f"the engine process is gone ({self._send_error})")
-        self._put(msg)
+        try:
+            self._put(msg)
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+            # A value msgpack cannot carry (an int past 64 bits, an object it has no encoding for) fails
+            # this request alone, as a bad request.
+            raise ValueError(f"the request cannot be sent to the engine process: {e}") from None
 
     def _put(self, msg: AddRequest | AbortRequest | Shutdown) -> None:
+        # Encoded here, on the caller's thread, so that an encoding error reaches the caller instead of ending
+        # the sender thread (which would leave every later command unsent).
+        data = self._encode(msg)
         with self._outbox_ready:
-            self._outbox.append(msg)
+            self._outbox.append((data, isinstance(msg, Shutdown)))
             self._outbox_ready.notify()
 
     def _send_loop(self) -> None:
@@ -438,11 +446,11 @@ class EngineProcess:
                 batch = list(self._outbox)
                 self._outbox.clear()
             try:
-                for msg in batch:
-                    self._commands.send_bytes(self._encode(msg))
-                    if isinstance(msg, Shutdown):
+                for data, shutdown in batch:
+                    self._commands.send_bytes(data)
+                    if shutdown:
                         self._commands.close()
                         return
-            except (OSError, ValueError) as e:
-                self._send_error = str(e)  # the child is gone; the reader sees its exit
+            except Exception as e:  # noqa: BLE001 - the pipe is broken: the child is gone, the reader sees its exit
+                self._send_error = str(e)
                 return

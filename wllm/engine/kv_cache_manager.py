@@ -110,7 +110,7 @@ class KVCacheManager:
     def cache_computed_blocks(self, seq: Sequence, num_computed: int | None = None) -> None:
         """Offer the sequence's blocks whose slots are all computed to the prefix cache.
         `num_computed` (default: the sequence's own count) lets the scheduler register, before a
-        launched step is applied, the blocks that step completes (see `Scheduler.schedule_lookahead`);
+        launched step is applied, the blocks that step completes (see `Scheduler.schedule`, in flight);
         their token ids are on the host already."""
         if not self.enable_caching:
             return

@@ -302,8 +302,6 @@ class Scheduler:
                 for seq in self.waiting.first(min(self.config.max_num_seqs - num_running, budget)):
                     if seq.seq_id in feeds or seq.group.prompt_logprobs is not None:
                         return self._wait("a waiting id is in flight, or prompt logprobs")
-                if self.kv.enable_caching:
-                    self._register_in_flight(in_flight)
             admitted, budget = self._admit_waiting(budget, num_running)
             for seq, num_new, _ in admitted:
                 scheduled[seq.seq_id] = (seq, seq.num_computed_tokens, num_new, -1)
@@ -319,41 +317,40 @@ class Scheduler:
 
     def _placeholders(self, in_flight: StepPlan, feeds: dict[str, tuple[int, StepRow]], ended: set[str]) -> str:
         """Fill `feeds` (seq_id -> (its sampling row in `in_flight`, its row there)) and `ended` (sequences
-        that the step in flight ends by length) and free the blocks of the latter, as applying the step
-        will. Returns why the next step must wait instead ("" when it need not)."""
+        that the step in flight ends by length), and do to the pool what applying that step will: in its row
+        order, as `update_from_output` does, offer the blocks it completes to the prefix cache (their token
+        ids are on the host) and free the blocks of the sequences it ends. Safe before it has run: one
+        stream orders its writes before any later step's reads. The blocks of sequences that go on are
+        offered only when a waiting request may be admitted (applying the step offers them anyway, before
+        any later admission). Returns why the next step must wait instead ("" when it need not); then
+        nothing has been changed."""
         seqs = self.seqs
+        live: list[tuple[Sequence, StepRow]] = []
         r = 0
         for row in in_flight.rows:
             feeds[row.seq_id] = (r, row)
             k = row.num_samples
             r += k
-            if not k:
-                continue
-            seq = seqs.get(row.seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue
-            if k > 1 or row.sampling is not seq.sampling_row:
-                return "a fork in flight"  # its children exist only once the step is applied
-            if self.stops.ends_by_length(seq.group.params, len(seq.output_token_ids) + 1, seq.num_tokens + 1):
-                ended.add(row.seq_id)
-        for seq_id in ended:
-            seq = seqs[seq_id]
-            # Its blocks' KV is written by the step in flight: offered to the prefix cache, then freed.
-            self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(feeds[seq_id][1].token_ids))
-            self.kv.free(seq)
-        return ""
-
-    def _register_in_flight(self, in_flight: StepPlan) -> None:
-        """Offer the blocks the step in flight completes to the prefix cache before admitting, as applying
-        it would (their token ids are on the host). Safe before it has run: one stream orders its writes
-        before any later step's reads."""
-        seqs = self.seqs
-        for row in in_flight.rows:
             seq = seqs.get(row.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING or \
                     (row.sampling is not None and seq.sampling_row is not row.sampling):
+                if k and seq is not None and seq.status is SequenceStatus.RUNNING:
+                    return "a fork in flight"  # the id is another sequence's now: only applying tells
                 continue
-            self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(row.token_ids))
+            if k > 1:
+                return "a fork in flight"  # its children exist only once the step is applied
+            live.append((seq, row))
+            if k and self.stops.ends_by_length(seq.group.params, len(seq.output_token_ids) + 1, seq.num_tokens + 1):
+                ended.add(row.seq_id)
+        register = self.kv.enable_caching and len(self.waiting) > 0
+        if register or ended:
+            for seq, row in live:
+                end = row.seq_id in ended
+                if register or end:
+                    self.kv.cache_computed_blocks(seq, seq.num_computed_tokens + len(row.token_ids))
+                if end:
+                    self.kv.free(seq)
+        return ""
 
     def _wait(self, reason: str) -> None:
         """`schedule`'s answer when the next step must wait for the step in flight: records why
@@ -513,7 +510,7 @@ class Scheduler:
         bs = self.block_size
         for sched in out.rows:
             # The blocks the step wrote, by id: a sequence the step ends by length may have given
-            # them back already (`schedule_lookahead`), registered in the prefix cache.
+            # them back already (`schedule` with it in flight), registered in the prefix cache.
             self.kv.uncache_ids(sched.block_ids[sched.start_pos // bs:cdiv(sched.start_pos + len(sched.token_ids), bs)])
             seq = self.seqs.get(sched.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING or \

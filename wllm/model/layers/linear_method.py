@@ -236,7 +236,8 @@ class DenseLinearMethod(LinearMethod):
         if 0 < x.numel() <= self._gemv_numel:
             return gemv(x, layer.weight, layer.bias)
         if (residual is not None and self.plan.adds_residual and x.dim() == 2 and residual.dim() == 2
-                and residual.shape == (x.shape[0], self._out_features) and residual.dtype == x.dtype):
+                and residual.shape == (x.shape[0], self._out_features) and residual.dtype == x.dtype
+                and layer.weight.dtype == x.dtype):
             residual.addmm_(x, layer.weight.t())
             return None
         return F.linear(x, layer.weight, layer.bias)
