@@ -86,7 +86,23 @@ def test_chat_streaming_matches_non_streaming(client: TestClient) -> None:
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == REPLY
     assert [c["choices"][0]["finish_reason"] for c in chunks].count("stop") == 1
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # As OpenAI ends a stream: content chunks carry finish_reason null, then one chunk with an empty delta
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
+                                      "stop_reason": None}]
+    assert chunks[-2]["choices"][0]["delta"]["content"]
+
+
+def test_stream_tail_bytes(client: TestClient) -> None:
+    """The last bytes of a chat stream with usage: final empty-delta chunk, usage chunk, [DONE]."""
+    text = chat(client, stream=True, max_tokens=2, temperature=0, stream_options={"include_usage": True}).text
+    blocks = text.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
+    final, usage = json.loads(blocks[-4][len("data: "):]), json.loads(blocks[-3][len("data: "):])
+    assert '"delta":{},"logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}' in blocks[-4]
+    assert final["choices"][0]["delta"] == {} and usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+    content = json.loads(blocks[-5][len("data: "):])
+    assert content["choices"][0]["delta"] == {"content": REPLY[1]} and content["choices"][0]["finish_reason"] is None
 
 
 def test_stream_include_usage(client: TestClient) -> None:
@@ -113,6 +129,11 @@ def test_n_choices_stream_and_non_stream(client: TestClient) -> None:
         texts[ch["index"]] += ch["delta"].get("content", "")
     assert sorted(roles) == [0, 1]
     assert all(len(t) == 6 for t in texts.values())
+    # each choice ends with its own empty-delta chunk carrying the finish_reason, and nothing after it
+    for i in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+        assert mine[-1]["delta"] == {} and mine[-1]["finish_reason"] == "length"
+        assert all(ch["finish_reason"] is None for ch in mine[:-1])
 
 
 def test_chat_logprobs_objects(client: TestClient) -> None:
@@ -204,8 +225,27 @@ def test_completions_streaming_echo_and_usage(client: TestClient) -> None:
     assert events[-1] == "[DONE]"
     *chunks, usage = events[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "hi" + REPLY[:5]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
+                                      "stop_reason": None}]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+
+
+def test_completions_stream_each_choice_gets_a_final_chunk(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 3,
+                                             "stream": True})
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    by_index: dict[int, list[dict]] = {}
+    for e in events[:-1]:
+        (ch,) = e["choices"]
+        by_index.setdefault(ch["index"], []).append(ch)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for chs in by_index.values():
+        assert chs[-1] == {"index": chs[-1]["index"], "text": "", "logprobs": None, "finish_reason": "length",
+                           "stop_reason": None}
+        assert all(ch["finish_reason"] is None for ch in chs[:-1])
+        assert len("".join(ch["text"] for ch in chs)) == 3
 
 
 # ------------------------------------------------------------------ errors
