@@ -369,6 +369,35 @@ def test_api_keys_401_and_success() -> None:
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
+def test_routes_without_v1_prefix_same_handlers_same_auth() -> None:
+    c, _ = make_client(api_keys=["sk-one"])
+    key = {"Authorization": "Bearer sk-one"}
+    with c:
+        for path in ("/models", "/models/tiny", "/models/org/tiny-alias"):
+            r = c.get(path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert c.get(path, headers=key).json() == c.get("/v1" + path, headers=key).json()
+        assert c.get("/models/nope", headers=key).json()["error"]["code"] == "model_not_found"
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 4, "temperature": 0}
+        assert c.post("/chat/completions", json=body).status_code == 401
+        r = c.post("/chat/completions", json=body, headers=key)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY[:4]
+        events = sse(c.post("/chat/completions", json={**body, "stream": True}, headers=key).text)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+        assert c.post("/completions", json=body).status_code == 401
+        r = c.post("/completions", json=body, headers=key)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY[:3]
+        assert c.post("/completions", json={"prompt": 5}, headers=key).status_code == 400
+        assert c.post("/tokenize", json={"prompt": "hi"}, headers=key).json()["count"] == 3
+        # the schema lists each operation once, under /v1
+        paths = c.get("/openapi.json").json()["paths"]
+        assert "/v1/chat/completions" in paths and "/chat/completions" not in paths
+        # each alias has its own metric label, not "other"
+        metrics = c.get("/metrics").text
+        assert 'endpoint="/chat/completions"' in metrics and 'endpoint="/models"' in metrics
+
+
 def test_rate_limit_requests_per_minute_per_ip() -> None:
     c, _ = make_client(rate_limit_rpm=2)
     with c:

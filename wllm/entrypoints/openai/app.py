@@ -159,6 +159,21 @@ async def openapi_json(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return request.app.openapi_schema.to_schema()
 
 
+# The OpenAI routes also answer without `/v1`, as llama-server's do and many clients expect: the same
+# handlers (and so the same guard and body limit), kept out of the OpenAPI schema so it lists each once.
+UNPREFIXED = {"/chat/completions": chat_completions, "/completions": completions, "/models": list_models,
+              "/models/{model_id:path}": retrieve_model}
+
+
+def _unprefixed_aliases() -> list[BaseRouteHandler]:
+    aliases: list[BaseRouteHandler] = []
+    for path, handler in UNPREFIXED.items():
+        decorator = post if "POST" in handler.http_methods else get
+        kwargs: dict[str, Any] = {"status_code": 200} if decorator is post else {}
+        aliases.append(decorator(path, include_in_schema=False, summary=handler.summary, **kwargs)(handler.fn))
+    return aliases
+
+
 def _disconnected(_: Request[Any, Any, Any], __: ClientDisconnected) -> Response[Any]:
     # Nobody reads this; 499 ("client closed request", as nginx logs it) marks it in logs and metrics.
     return error_response(APIError(499, "client closed the request"))
@@ -179,7 +194,8 @@ def create_app(
     tracer = RequestTracer(tracer_provider) if tracer_provider is not None else None
     ctx = ServerContext(engine, config, metrics, tracer)
     api = Router(path="/", guards=[access_guard],
-                 route_handlers=[chat_completions, completions, list_models, retrieve_model, tokenize, detokenize])
+                 route_handlers=[chat_completions, completions, list_models, retrieve_model, tokenize, detokenize,
+                                 *_unprefixed_aliases()])
     handlers = dict(EXCEPTION_HANDLERS)
     handlers[ClientDisconnected] = _disconnected
     cors = None

@@ -22,6 +22,7 @@ access_log = logging.getLogger("wllm.access")
 KNOWN_ENDPOINTS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id:path}", "/tokenize",
     "/detokenize", "/health", "/metrics", "/version", "/openapi.json",
+    "/chat/completions", "/completions", "/models", "/models/{model_id:path}",  # the routes without /v1
 })
 QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled constantly; logged at debug level only
 
