@@ -433,6 +433,22 @@ def test_cors_only_when_origins_given() -> None:
         r = c.options("/v1/chat/completions", headers=preflight)
         assert r.status_code in (200, 204)
         assert r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.options("/chat/completions", headers=preflight)  # the route without /v1 too
+        assert r.status_code in (200, 204)
+
+
+def test_refused_cors_preflight_is_a_json_error() -> None:
+    c, _ = make_client(cors_origins=["https://app.example"])
+    with c:
+        for path in ("/v1/chat/completions", "/models", "/nowhere"):
+            r = c.options(path, headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+            assert "access-control-allow-origin" not in r.headers
+            assert r.json() == {"error": {"message": "CORS preflight refused: disallowed Origin (see --cors-origin).",
+                                          "type": "invalid_request_error", "param": None, "code": "cors_disallowed"}}
+        # an allowed origin's simple request is unchanged
+        r = c.get("/v1/models", headers={"Origin": "https://app.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
 
 
 # ------------------------------------------------------------------ small endpoints

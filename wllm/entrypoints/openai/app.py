@@ -13,6 +13,7 @@ from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
+from litestar.middleware._internal.cors import CORSMiddleware
 from litestar.middleware.base import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath, JSONBody
@@ -22,7 +23,7 @@ from wllm.entrypoints.openai.auth import bearer_token
 from wllm.entrypoints.openai.config import ServerConfig
 from wllm.entrypoints.openai.engine_client import EngineClient
 from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
-from wllm.entrypoints.openai.middleware import ObservabilityMiddleware, client_host
+from wllm.entrypoints.openai.middleware import JSONErrorCORSMiddleware, ObservabilityMiddleware, client_host
 from wllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -202,7 +203,7 @@ def create_app(
     if config.cors_origins:
         cors = CORSConfig(allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"],
                           expose_headers=["Retry-After"])
-    return Litestar(
+    app = Litestar(
         route_handlers=[api, health, metrics_endpoint, version, openapi_json],
         exception_handlers=handlers,
         middleware=[DefineMiddleware(ObservabilityMiddleware, ctx=ctx)],
@@ -214,3 +215,8 @@ def create_app(
         logging_config=None,
         debug=False,
     )
+    if cors is not None:  # Litestar wraps its whole ASGI handler in its CORS middleware; swap in ours
+        handler = app.asgi_handler
+        assert isinstance(handler, CORSMiddleware), type(handler)
+        app.asgi_handler = JSONErrorCORSMiddleware(app=handler.app, config=cors)
+    return app
