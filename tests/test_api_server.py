@@ -398,6 +398,25 @@ def test_routes_without_v1_prefix_same_handlers_same_auth() -> None:
         assert 'endpoint="/chat/completions"' in metrics and 'endpoint="/models"' in metrics
 
 
+def test_metrics_auth_flag() -> None:
+    # default: /metrics stays open even with keys set (test_api_keys_401_and_success checks it too)
+    c, _ = make_client(api_keys=["sk-one"])
+    with c:
+        assert c.get("/metrics").status_code == 200
+    c, _ = make_client(api_keys=["sk-one"], metrics_auth=True, rate_limit_rpm=1)
+    with c:
+        r = c.get("/metrics")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/metrics", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+        for _ in range(3):  # the key is checked, but scrapes are not rate limited
+            r = c.get("/metrics", headers={"Authorization": "Bearer sk-one"})
+            assert r.status_code == 200 and "wllm_requests" in r.text
+        assert c.get("/health").status_code == 200  # probes stay open
+    c, _ = make_client(metrics_auth=True)  # no keys: nothing to check
+    with c:
+        assert c.get("/metrics").status_code == 200
+
+
 def test_rate_limit_requests_per_minute_per_ip() -> None:
     c, _ = make_client(rate_limit_rpm=2)
     with c:

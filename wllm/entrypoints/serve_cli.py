@@ -112,6 +112,8 @@ def register(subparsers: Any) -> None:
                      help="prompt + completion tokens per minute per API key (per client IP when auth is off)")
     sec.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="allow browser requests from ORIGIN (repeatable; '*' for any). Default: CORS off")
+    sec.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=False,
+                     help="GET /metrics needs an API key too (when keys are set). Default: off, open to scrapers")
     sec.add_argument("--max-body-size", type=float, default=16.0, help="largest request body, in MiB")
     sec.add_argument("--max-n", type=_positive_int, default=16, help="largest `n` a request may ask for")
 
@@ -253,7 +255,8 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_names=_served_name(args.model, args.served_model_name),
             chat_template=_chat_template(args.chat_template),
             api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
-            cors_origins=args.cors_origin, max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
+            cors_origins=args.cors_origin, metrics_auth=args.metrics_auth,
+            max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
         server_config.validate()
     except (APIKeyError, TracingSetupError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

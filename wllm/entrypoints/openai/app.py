@@ -59,19 +59,32 @@ def _record(connection: ASGIConnection[Any, Any, Any, Any]) -> RequestRecord:
     return record
 
 
+def _check_api_key(connection: ASGIConnection[Any, Any, Any, Any], ctx: ServerContext, record: RequestRecord) -> None:
+    """401 unless the request carries one of the keys (when keys are set); records the key id."""
+    if not ctx.keys.enabled:
+        return
+    presented = bearer_token(connection.headers.get("authorization"), connection.headers.get("x-api-key"))
+    kid = ctx.keys.check(presented)
+    if kid is None:
+        message = ("Missing API key: send it as `Authorization: Bearer <key>`." if presented is None
+                   else "Incorrect API key provided.")
+        raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    record.key_id = kid
+
+
+async def metrics_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """With `--metrics-auth`, /metrics needs an API key like the API does (no rate limit: scrapers poll)."""
+    ctx = _ctx(connection)
+    if ctx.config.metrics_auth:
+        _check_api_key(connection, ctx, _record(connection))
+
+
 async def access_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """API key check (401) then per-key or per-IP token buckets (429 + Retry-After). A coroutine: Litestar
     runs a plain-function guard in a worker thread, a thread hop (two GIL hand-offs) per request."""
     ctx = _ctx(connection)
     record = _record(connection)
-    if ctx.keys.enabled:
-        presented = bearer_token(connection.headers.get("authorization"), connection.headers.get("x-api-key"))
-        kid = ctx.keys.check(presented)
-        if kid is None:
-            message = ("Missing API key: send it as `Authorization: Bearer <key>`." if presented is None
-                       else "Incorrect API key provided.")
-            raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        record.key_id = kid
+    _check_api_key(connection, ctx, record)
     try:
         ctx.limiter.acquire(record.key_id or client_host(connection.scope))
     except RateLimited as exc:
@@ -145,7 +158,7 @@ async def health(request: Request[Any, Any, Any]) -> Response[HealthResponse]:
                     headers={"Retry-After": str(ctx.config.retry_after_s)})
 
 
-@get("/metrics", summary="Prometheus metrics", include_in_schema=True)
+@get("/metrics", summary="Prometheus metrics", include_in_schema=True, guards=[metrics_guard])
 async def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
 
