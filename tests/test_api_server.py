@@ -86,7 +86,23 @@ def test_chat_streaming_matches_non_streaming(client: TestClient) -> None:
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == REPLY
     assert [c["choices"][0]["finish_reason"] for c in chunks].count("stop") == 1
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # As OpenAI ends a stream: content chunks carry finish_reason null, then one chunk with an empty delta
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop",
+                                      "stop_reason": None}]
+    assert chunks[-2]["choices"][0]["delta"]["content"]
+
+
+def test_stream_tail_bytes(client: TestClient) -> None:
+    """The last bytes of a chat stream with usage: final empty-delta chunk, usage chunk, [DONE]."""
+    text = chat(client, stream=True, max_tokens=2, temperature=0, stream_options={"include_usage": True}).text
+    blocks = text.split("\n\n")
+    assert blocks[-1] == "" and blocks[-2] == "data: [DONE]"
+    final, usage = json.loads(blocks[-4][len("data: "):]), json.loads(blocks[-3][len("data: "):])
+    assert '"delta":{},"logprobs":null,"finish_reason":"length","stop_reason":null}],"usage":null}' in blocks[-4]
+    assert final["choices"][0]["delta"] == {} and usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+    content = json.loads(blocks[-5][len("data: "):])
+    assert content["choices"][0]["delta"] == {"content": REPLY[1]} and content["choices"][0]["finish_reason"] is None
 
 
 def test_stream_include_usage(client: TestClient) -> None:
@@ -113,6 +129,11 @@ def test_n_choices_stream_and_non_stream(client: TestClient) -> None:
         texts[ch["index"]] += ch["delta"].get("content", "")
     assert sorted(roles) == [0, 1]
     assert all(len(t) == 6 for t in texts.values())
+    # each choice ends with its own empty-delta chunk carrying the finish_reason, and nothing after it
+    for i in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == i]
+        assert mine[-1]["delta"] == {} and mine[-1]["finish_reason"] == "length"
+        assert all(ch["finish_reason"] is None for ch in mine[:-1])
 
 
 def test_chat_logprobs_objects(client: TestClient) -> None:
@@ -204,8 +225,27 @@ def test_completions_streaming_echo_and_usage(client: TestClient) -> None:
     assert events[-1] == "[DONE]"
     *chunks, usage = events[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "hi" + REPLY[:5]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "length",
+                                      "stop_reason": None}]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+
+
+def test_completions_stream_each_choice_gets_a_final_chunk(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 3,
+                                             "stream": True})
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    by_index: dict[int, list[dict]] = {}
+    for e in events[:-1]:
+        (ch,) = e["choices"]
+        by_index.setdefault(ch["index"], []).append(ch)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for chs in by_index.values():
+        assert chs[-1] == {"index": chs[-1]["index"], "text": "", "logprobs": None, "finish_reason": "length",
+                           "stop_reason": None}
+        assert all(ch["finish_reason"] is None for ch in chs[:-1])
+        assert len("".join(ch["text"] for ch in chs)) == 3
 
 
 # ------------------------------------------------------------------ errors
@@ -329,6 +369,54 @@ def test_api_keys_401_and_success() -> None:
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
 
 
+def test_routes_without_v1_prefix_same_handlers_same_auth() -> None:
+    c, _ = make_client(api_keys=["sk-one"])
+    key = {"Authorization": "Bearer sk-one"}
+    with c:
+        for path in ("/models", "/models/tiny", "/models/org/tiny-alias"):
+            r = c.get(path)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert c.get(path, headers=key).json() == c.get("/v1" + path, headers=key).json()
+        assert c.get("/models/nope", headers=key).json()["error"]["code"] == "model_not_found"
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 4, "temperature": 0}
+        assert c.post("/chat/completions", json=body).status_code == 401
+        r = c.post("/chat/completions", json=body, headers=key)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY[:4]
+        events = sse(c.post("/chat/completions", json={**body, "stream": True}, headers=key).text)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+        assert c.post("/completions", json=body).status_code == 401
+        r = c.post("/completions", json=body, headers=key)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == REPLY[:3]
+        assert c.post("/completions", json={"prompt": 5}, headers=key).status_code == 400
+        assert c.post("/tokenize", json={"prompt": "hi"}, headers=key).json()["count"] == 3
+        # the schema lists each operation once, under /v1
+        paths = c.get("/openapi.json").json()["paths"]
+        assert "/v1/chat/completions" in paths and "/chat/completions" not in paths
+        # each alias has its own metric label, not "other"
+        metrics = c.get("/metrics").text
+        assert 'endpoint="/chat/completions"' in metrics and 'endpoint="/models"' in metrics
+
+
+def test_metrics_auth_flag() -> None:
+    # default: /metrics stays open even with keys set (test_api_keys_401_and_success checks it too)
+    c, _ = make_client(api_keys=["sk-one"])
+    with c:
+        assert c.get("/metrics").status_code == 200
+    c, _ = make_client(api_keys=["sk-one"], metrics_auth=True, rate_limit_rpm=1)
+    with c:
+        r = c.get("/metrics")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/metrics", headers={"Authorization": "Bearer sk-wrong"}).status_code == 401
+        for _ in range(3):  # the key is checked, but scrapes are not rate limited
+            r = c.get("/metrics", headers={"Authorization": "Bearer sk-one"})
+            assert r.status_code == 200 and "wllm_requests" in r.text
+        assert c.get("/health").status_code == 200  # probes stay open
+    c, _ = make_client(metrics_auth=True)  # no keys: nothing to check
+    with c:
+        assert c.get("/metrics").status_code == 200
+
+
 def test_rate_limit_requests_per_minute_per_ip() -> None:
     c, _ = make_client(rate_limit_rpm=2)
     with c:
@@ -364,6 +452,22 @@ def test_cors_only_when_origins_given() -> None:
         r = c.options("/v1/chat/completions", headers=preflight)
         assert r.status_code in (200, 204)
         assert r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.options("/chat/completions", headers=preflight)  # the route without /v1 too
+        assert r.status_code in (200, 204)
+
+
+def test_refused_cors_preflight_is_a_json_error() -> None:
+    c, _ = make_client(cors_origins=["https://app.example"])
+    with c:
+        for path in ("/v1/chat/completions", "/models", "/nowhere"):
+            r = c.options(path, headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+            assert "access-control-allow-origin" not in r.headers
+            assert r.json() == {"error": {"message": "CORS preflight refused: disallowed Origin (see --cors-origin).",
+                                          "type": "invalid_request_error", "param": None, "code": "cors_disallowed"}}
+        # an allowed origin's simple request is unchanged
+        r = c.get("/v1/models", headers={"Origin": "https://app.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
 
 
 # ------------------------------------------------------------------ small endpoints

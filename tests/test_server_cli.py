@@ -15,7 +15,8 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--no-enable-prefix-caching", "--served-model-name", "--chat-template", "--api-key", "--api-key-file",
          "--rate-limit-rpm", "--rate-limit-tpm", "--cors-origin", "--log-format", "--otlp-endpoint",
          "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
-         "--no-async-scheduling", "--engine-process", "--no-engine-process", "--stream-interval"]
+         "--no-async-scheduling", "--engine-process", "--no-engine-process", "--stream-interval",
+         "--metrics-auth", "--no-metrics-auth"]
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]
@@ -34,6 +35,9 @@ def test_defaults_bind_localhost_8000_with_the_embedded_model() -> None:
     args = serve_args()
     assert (args.model, args.host, args.port) == (None, "127.0.0.1", 8000)
     assert args.enable_prefix_caching is True and args.cors_origin == [] and args.api_key == []
+    assert args.metrics_auth is False
+    assert serve_args("--metrics-auth").metrics_auth is True
+    assert serve_args("--metrics-auth", "--no-metrics-auth").metrics_auth is False
     args = serve_args("m.gguf", "--no-enable-prefix-caching", "--api-key", "a", "--api-key", "b",
                       "--cors-origin", "https://x")
     assert args.model == "m.gguf" and not args.enable_prefix_caching and args.api_key == ["a", "b"]

@@ -143,7 +143,8 @@ def test_completions_stream_and_not(client: openai.OpenAI) -> None:
     parts = list(client.completions.create(model=DEFAULT_MODEL_NAME, prompt="The capital of France is",
                                            max_tokens=6, temperature=0, stream=True))
     assert "".join(p.choices[0].text for p in parts) == full.choices[0].text
-    assert parts[-1].choices[0].finish_reason == "length"
+    assert parts[-1].choices[0].finish_reason == "length" and parts[-1].choices[0].text == ""
+    assert all(p.choices[0].finish_reason is None for p in parts[:-1])
 
 
 def test_chat_stream_matches_and_include_usage(client: openai.OpenAI) -> None:
@@ -155,6 +156,11 @@ def test_chat_stream_matches_and_include_usage(client: openai.OpenAI) -> None:
     assert text == full.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
+    # OpenAI's ending: an empty delta with the finish_reason, after content chunks with none
+    final = chunks[-2].choices[0]
+    assert final.finish_reason == full.choices[0].finish_reason and final.delta.content is None
+    assert final.delta.role is None
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
 
 
 def test_n2_logprobs_and_seed(client: openai.OpenAI) -> None:

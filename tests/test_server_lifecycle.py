@@ -145,3 +145,97 @@ def test_signal_drains_in_flight_stream_and_exits_0(sig: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+SERVE_FAKE_SHORT_DRAIN = """
+import argparse, sys
+sys.path.insert(0, TESTS_DIR)  # fake_engine
+from wllm.observability.logs import setup_logging
+setup_logging("json", "INFO")
+from wllm.entrypoints.openai.app import create_app
+from wllm.entrypoints.openai.config import ServerConfig
+from fake_engine import ScriptedEngine
+from wllm.entrypoints.serve_cli import _make_server
+app = create_app(ScriptedEngine(max_model_len=4096, step_delay=0.02, replies=("tick " * 200,)),
+                 ServerConfig(served_model_names=["tiny"]))
+args = argparse.Namespace(host="127.0.0.1", port=0, shutdown_timeout=0.5)
+server = _make_server(app, args, lambda h, p: print(f"READY http://{h}:{p}", flush=True))
+server.run()
+print("EXITED CLEANLY", flush=True)
+""".replace("TESTS_DIR", repr(str(Path(__file__).resolve().parent)))
+
+
+def test_drain_timeout_ends_every_stream_with_an_error_event_and_done() -> None:
+    """Past --shutdown-timeout, each open stream (chat, n=2, several prompts) and each plain request ends
+    with an OpenAI error (an SSE error event then [DONE]; a 503 body), logged as a server-side cancel."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_FAKE_SHORT_DRAIN], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        url = proc.stdout.readline().split()[-1]
+        msgs = [{"role": "user", "content": "hi"}]
+        bodies = [
+            ("/v1/chat/completions", {"model": "tiny", "messages": msgs, "stream": True}),
+            ("/v1/chat/completions", {"model": "tiny", "messages": msgs, "stream": True, "n": 2,
+                                      "stream_options": {"include_usage": True}}),
+            ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 900, "stream": True}),
+            ("/completions", {"model": "tiny", "prompt": "x", "max_tokens": 900, "stream": True}),
+        ]
+        results: list[list[str] | None] = [None] * len(bodies)
+        started = threading.Barrier(len(bodies) + 1)
+        plain: list[httpx.Response] = []
+
+        def stream(k: int, path: str, body: dict) -> None:
+            with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+                lines = r.iter_lines()
+                got = [next(line for line in lines if line.startswith("data: "))]
+                started.wait(timeout=30)
+                got += [line for line in lines if line.startswith("data: ")]
+            results[k] = got
+
+        def plain_request() -> None:
+            plain.append(httpx.post(f"{url}/v1/completions", timeout=60,
+                                    json={"model": "tiny", "prompt": "x", "max_tokens": 900}))
+
+        threads = [threading.Thread(target=stream, args=(k, *b)) for k, b in enumerate(bodies)]
+        threads.append(threading.Thread(target=plain_request))
+        for t in threads:
+            t.start()
+        started.wait(timeout=30)  # every stream has its first event
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+        assert "EXITED CLEANLY" in proc.stdout.read()
+        log = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    for got in results:
+        assert got is not None and got[-1] == "data: [DONE]", got
+        error = json.loads(got[-2][len("data: "):])
+        assert error == {"error": {"message": error["error"]["message"], "type": "service_unavailable_error",
+                                   "param": None, "code": "server_shutdown"}}
+        assert "drain timeout" in error["error"]["message"]
+        for line in got[:-2]:  # everything before it is a whole chunk of the stream
+            assert "error" not in json.loads(line[len("data: "):])
+    (r,) = plain
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown"
+
+    assert "Traceback" not in log and "Exception in ASGI application" not in log and "exc" not in log
+    records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any("drain timeout" in rec["msg"] and "cancelling 5 running request(s)" in rec["msg"]
+               for rec in records), log
+    access = [rec for rec in records if rec.get("logger") == "wllm.access"]
+    cut = [rec for rec in access if rec.get("error") == "server shutdown: cancelled at the drain timeout"]
+    assert len(cut) == 5 and not [rec for rec in access if rec.get("error") == "client disconnected"], access
+    assert sorted(rec["status"] for rec in cut) == [200, 200, 200, 200, 503]

@@ -2,12 +2,14 @@
 
 MODEL is an HF folder, a GGUF file, a hub id, or nothing (the embedded SmolLM2-135M-Instruct).
 SIGINT / SIGTERM (Ctrl+C / Ctrl+Break on Windows) stop accepting connections, let in-flight
-requests finish for up to `--shutdown-timeout` seconds, stop the engine and exit 0.
+requests finish for up to `--shutdown-timeout` seconds (then end those left with a `server_shutdown`
+error: an SSE error event and [DONE] for a stream), stop the engine and exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import signal
@@ -20,6 +22,9 @@ from typing import Any
 logger = logging.getLogger("wllm.serve")
 
 GiB = 1 << 30
+# After the drain timeout, how long the requests that were then cut (error event, [DONE]) get to send
+# their last bytes before uvicorn cancels what is left.
+CUT_GRACE_S = 5.0
 
 
 def _positive_int(text: str) -> int:
@@ -51,7 +56,8 @@ def register(subparsers: Any) -> None:
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     net.add_argument("--port", type=int, default=8000, help="port to bind (0 picks a free one)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests may take to finish after SIGINT/SIGTERM")
+                     help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; those "
+                          "still running then end with a server_shutdown error")
 
     model = p.add_argument_group("model")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
@@ -112,6 +118,8 @@ def register(subparsers: Any) -> None:
                      help="prompt + completion tokens per minute per API key (per client IP when auth is off)")
     sec.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                      help="allow browser requests from ORIGIN (repeatable; '*' for any). Default: CORS off")
+    sec.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=False,
+                     help="GET /metrics needs an API key too (when keys are set). Default: off, open to scrapers")
     sec.add_argument("--max-body-size", type=float, default=16.0, help="largest request body, in MiB")
     sec.add_argument("--max-n", type=_positive_int, default=16, help="largest `n` a request may ask for")
 
@@ -224,6 +232,29 @@ def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
+        async def _wait_tasks_to_complete(self) -> None:
+            # uvicorn waits for in-flight requests up to `timeout_graceful_shutdown`, then cancels their
+            # tasks: streams cut mid-chunk, logged as disconnects with tracebacks. Here, past the drain
+            # timeout, every running request is ended by the app instead (a stream sends an error event
+            # and [DONE]); only what still runs after CUT_GRACE_S is cancelled.
+            drain = super()._wait_tasks_to_complete
+            try:
+                await asyncio.wait_for(drain(), args.shutdown_timeout)
+                return
+            except TimeoutError:
+                pass
+            ctx = app.state.get("server") if hasattr(app, "state") else None
+            cut = ctx.cut_requests() if ctx is not None else 0
+            logger.warning("shutdown: the drain timeout (%g s) ran out; cancelling %d running request(s), "
+                           "each ends with a server_shutdown error", args.shutdown_timeout, cut)
+            try:
+                await asyncio.wait_for(drain(), CUT_GRACE_S)
+            except TimeoutError:
+                logger.error("shutdown: %d task(s) still running %g s later; cancelling them",
+                             len(self.server_state.tasks), CUT_GRACE_S)
+                for t in self.server_state.tasks:
+                    t.cancel(msg="Task cancelled, timeout graceful shutdown exceeded")
+
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.started and self.servers:
@@ -232,9 +263,12 @@ def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
 
     # http="auto": httptools (a dependency; wheels for Linux and Windows) when it imports, h11 otherwise.
     # At high concurrency one event loop's CPU bounds serving, and httptools spends less of it per token.
+    # The drain timeout is ours (Server._wait_tasks_to_complete above, a private uvicorn hook, tested by
+    # test_server_lifecycle); a uvicorn without that hook keeps its own timeout and its hard cut.
+    own_drain = hasattr(uvicorn.Server, "_wait_tasks_to_complete")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_timeout, loop="asyncio", http="auto",
-                            lifespan="on", server_header=False)
+                            timeout_graceful_shutdown=None if own_drain else args.shutdown_timeout,
+                            loop="asyncio", http="auto", lifespan="on", server_header=False)
     return Server(config)
 
 
@@ -253,7 +287,8 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_names=_served_name(args.model, args.served_model_name),
             chat_template=_chat_template(args.chat_template),
             api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
-            cors_origins=args.cors_origin, max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
+            cors_origins=args.cors_origin, metrics_auth=args.metrics_auth,
+            max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
         server_config.validate()
     except (APIKeyError, TracingSetupError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
 from litestar.handlers.base import BaseRouteHandler
+from litestar.middleware._internal.cors import CORSMiddleware
 from litestar.middleware.base import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath, JSONBody
@@ -23,7 +24,7 @@ from wllm.entrypoints.openai.config import ServerConfig
 from wllm.entrypoints.openai.decoding import StrictRequest
 from wllm.entrypoints.openai.engine_client import EngineClient
 from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
-from wllm.entrypoints.openai.middleware import ObservabilityMiddleware, client_host
+from wllm.entrypoints.openai.middleware import JSONErrorCORSMiddleware, ObservabilityMiddleware, client_host
 from wllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -59,19 +60,32 @@ def _record(connection: ASGIConnection[Any, Any, Any, Any]) -> RequestRecord:
     return record
 
 
+def _check_api_key(connection: ASGIConnection[Any, Any, Any, Any], ctx: ServerContext, record: RequestRecord) -> None:
+    """401 unless the request carries one of the keys (when keys are set); records the key id."""
+    if not ctx.keys.enabled:
+        return
+    presented = bearer_token(connection.headers.get("authorization"), connection.headers.get("x-api-key"))
+    kid = ctx.keys.check(presented)
+    if kid is None:
+        message = ("Missing API key: send it as `Authorization: Bearer <key>`." if presented is None
+                   else "Incorrect API key provided.")
+        raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    record.key_id = kid
+
+
+async def metrics_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+    """With `--metrics-auth`, /metrics needs an API key like the API does (no rate limit: scrapers poll)."""
+    ctx = _ctx(connection)
+    if ctx.config.metrics_auth:
+        _check_api_key(connection, ctx, _record(connection))
+
+
 async def access_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """API key check (401) then per-key or per-IP token buckets (429 + Retry-After). A coroutine: Litestar
     runs a plain-function guard in a worker thread, a thread hop (two GIL hand-offs) per request."""
     ctx = _ctx(connection)
     record = _record(connection)
-    if ctx.keys.enabled:
-        presented = bearer_token(connection.headers.get("authorization"), connection.headers.get("x-api-key"))
-        kid = ctx.keys.check(presented)
-        if kid is None:
-            message = ("Missing API key: send it as `Authorization: Bearer <key>`." if presented is None
-                       else "Incorrect API key provided.")
-            raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        record.key_id = kid
+    _check_api_key(connection, ctx, record)
     try:
         ctx.limiter.acquire(record.key_id or client_host(connection.scope))
     except RateLimited as exc:
@@ -152,7 +166,7 @@ async def health(request: Request[Any, Any, Any]) -> Response[HealthResponse]:
                     headers={"Retry-After": str(ctx.config.retry_after_s)})
 
 
-@get("/metrics", summary="Prometheus metrics", include_in_schema=True)
+@get("/metrics", summary="Prometheus metrics", include_in_schema=True, guards=[metrics_guard])
 async def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
 
@@ -165,6 +179,21 @@ async def version() -> VersionResponse:
 @get("/openapi.json", include_in_schema=False)
 async def openapi_json(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return request.app.openapi_schema.to_schema()
+
+
+# The OpenAI routes also answer without `/v1`, as llama-server's do and many clients expect: the same
+# handlers (and so the same guard and body limit), kept out of the OpenAPI schema so it lists each once.
+UNPREFIXED = {"/chat/completions": chat_completions, "/completions": completions, "/models": list_models,
+              "/models/{model_id:path}": retrieve_model}
+
+
+def _unprefixed_aliases() -> list[BaseRouteHandler]:
+    aliases: list[BaseRouteHandler] = []
+    for path, handler in UNPREFIXED.items():
+        decorator = post if "POST" in handler.http_methods else get
+        kwargs: dict[str, Any] = {"status_code": 200} if decorator is post else {}
+        aliases.append(decorator(path, include_in_schema=False, summary=handler.summary, **kwargs)(handler.fn))
+    return aliases
 
 
 def _disconnected(_: Request[Any, Any, Any], __: ClientDisconnected) -> Response[Any]:
@@ -187,14 +216,15 @@ def create_app(
     tracer = RequestTracer(tracer_provider) if tracer_provider is not None else None
     ctx = ServerContext(engine, config, metrics, tracer)
     api = Router(path="/", guards=[access_guard],
-                 route_handlers=[chat_completions, completions, list_models, retrieve_model, tokenize, detokenize])
+                 route_handlers=[chat_completions, completions, list_models, retrieve_model, tokenize, detokenize,
+                                 *_unprefixed_aliases()])
     handlers = dict(EXCEPTION_HANDLERS)
     handlers[ClientDisconnected] = _disconnected
     cors = None
     if config.cors_origins:
         cors = CORSConfig(allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"],
                           expose_headers=["Retry-After"])
-    return Litestar(
+    app = Litestar(
         route_handlers=[api, health, metrics_endpoint, version, openapi_json],
         exception_handlers=handlers,
         middleware=[DefineMiddleware(ObservabilityMiddleware, ctx=ctx)],
@@ -207,3 +237,8 @@ def create_app(
         logging_config=None,
         debug=False,
     )
+    if cors is not None:  # Litestar wraps its whole ASGI handler in its CORS middleware; swap in ours
+        handler = app.asgi_handler
+        assert isinstance(handler, CORSMiddleware), type(handler)
+        app.asgi_handler = JSONErrorCORSMiddleware(app=handler.app, config=cors)
+    return app

@@ -12,8 +12,12 @@ import logging
 import time
 from typing import Any
 
+from litestar.datastructures import Headers
+from litestar.middleware._internal.cors import CORSMiddleware
+from litestar.response import Response
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from wllm.entrypoints.openai.errors import APIError, error_response
 from wllm.entrypoints.openai.serving_common import STATE_KEY, RequestRecord, ServerContext
 
 access_log = logging.getLogger("wllm.access")
@@ -22,6 +26,7 @@ access_log = logging.getLogger("wllm.access")
 KNOWN_ENDPOINTS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id:path}", "/tokenize",
     "/detokenize", "/health", "/metrics", "/version", "/openapi.json",
+    "/chat/completions", "/completions", "/models", "/models/{model_id:path}",  # the routes without /v1
 })
 QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled constantly; logged at debug level only
 
@@ -92,3 +97,20 @@ class ObservabilityMiddleware:
 
                 span.set_status(Status(StatusCode.ERROR, record.error or f"HTTP {status}"))
             span.end()
+
+
+class JSONErrorCORSMiddleware(CORSMiddleware):
+    """Litestar's CORS middleware, except that a refused preflight gets an OpenAI error body.
+
+    Litestar answers it `400 text/plain` "Disallowed CORS Origin"; clients that parse every error
+    as `{"error": {...}}` choke on that. The status and the decision stay Litestar's.
+    """
+
+    def _create_preflight_response(self, origin: str, request_headers: Headers) -> Response[str | None]:
+        response = super()._create_preflight_response(origin=origin, request_headers=request_headers)
+        if response.status_code < 400:
+            return response
+        refused = str(response.content).removeprefix("Disallowed CORS ")
+        return error_response(APIError(response.status_code,
+                                       f"CORS preflight refused: disallowed {refused} (see --cors-origin).",
+                                       code="cors_disallowed"))

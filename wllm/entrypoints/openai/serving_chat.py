@@ -179,11 +179,14 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                 steps = (c.logprobs or []) if req.logprobs else []
                 if not text and not steps and c.finish_reason is None:
                     continue
-                delta = DeltaMessage(content=text) if text or steps else DeltaMessage()
-                lps = chat_logprobs(ctx, steps, top_n) if req.logprobs and steps else None
-                frames.append(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lps,
-                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
-                done[i] = c.finish_reason is not None
+                if text or steps:
+                    lps = chat_logprobs(ctx, steps, top_n) if req.logprobs and steps else None
+                    frames.append(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=text), logprobs=lps)]))
+                if c.finish_reason is not None:
+                    # As OpenAI does: the choice ends with its own chunk, an empty delta and the reason.
+                    frames.append(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(),
+                                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
+                    done[i] = True
             return frames
 
         try:

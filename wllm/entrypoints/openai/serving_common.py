@@ -88,6 +88,25 @@ class ServerContext:
         self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.running: set[EngineRun] = set()  # engine requests being consumed now (streamed or not)
+        self.cutting = False  # set once shutdown's drain timeout has run out
+        self._cut_aborts: set[asyncio.Future[None]] = set()
+
+    def cut_requests(self) -> int:
+        """End every running request now, for a shutdown whose drain timeout ran out; how many HTTP
+        requests that is (a multi-prompt completion runs several engine requests).
+
+        Each run ends with `server_shutdown_error()`: a stream sends it as an error event and then
+        `[DONE]`, a plain request answers it as a 503. The engine is asked to abort each request so its
+        output stream wakes at the engine's next step. Call it on the event loop's thread."""
+        self.cutting = True
+        runs = list(self.running)
+        for run in runs:
+            run.cut = True
+            task = asyncio.ensure_future(run.abort_engine())
+            self._cut_aborts.add(task)
+            task.add_done_callback(self._cut_aborts.discard)
+        return len({id(run.record) for run in runs})
 
     @property
     def model_name(self) -> str:
@@ -144,6 +163,15 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 _BYTE_LEVEL = _byte_level_alphabet()
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def server_shutdown_error() -> APIError:
+    return APIError(503, "The server is shutting down and its drain timeout ran out before this request "
+                    "finished; it was cancelled. Retry it against a running server.",
+                    type="service_unavailable_error", code="server_shutdown")
+
+
+SHUTDOWN_CUT = "server shutdown: cancelled at the drain timeout"
 
 
 def clean_logprob(value: float) -> float:
@@ -279,6 +307,7 @@ class EngineRun:
         self.priority = priority
         self.cache_salt = cache_salt
         self.finished = False
+        self.cut = False  # shutdown's drain timeout ran out: end with server_shutdown_error()
         self.last: RequestDelta | None = None
         self.completion_tokens = 0  # all choices together
         self.num_cached_tokens = 0
@@ -292,10 +321,16 @@ class EngineRun:
     async def outputs(self) -> AsyncIterator[RequestDelta]:
         """The engine's deltas until finished; raises APIError for a full queue or an engine failure."""
         ctx = self.ctx
+        ctx.running.add(self)
         try:
+            if ctx.cutting:
+                self.cut = True
+                raise self._cut_error()
             stream = ctx.engine.generate(self.prompt_ids, self.params, self.request_id,
                                          priority=self.priority, cache_salt=self.cache_salt)
             async for out in stream:
+                if self.cut:
+                    raise self._cut_error()
                 self._observe(out)
                 if out.error is not None:
                     self.record.error = out.error
@@ -305,6 +340,8 @@ class EngineRun:
                 yield out
                 if out.finished:
                     return
+            if self.cut:
+                raise self._cut_error()
             if not self.finished:
                 raise APIError(500, "The engine stopped the request without finishing it", type="internal_error")
         except QueueFullError:
@@ -321,10 +358,20 @@ class EngineRun:
             self.record.error = self.record.error or "client disconnected"
             raise
         finally:
+            ctx.running.discard(self)
             # Record first: under an anyio cancel scope every later await may be cancelled again.
             self._finish()
             if not self.finished:
                 await self.abort()
+
+    def _cut_error(self) -> APIError:
+        self.record.error = SHUTDOWN_CUT
+        return server_shutdown_error()
+
+    async def abort_engine(self) -> None:
+        """Ask the engine to abort this request, leaving `finished` alone (the consumer is still reading)."""
+        with contextlib.suppress(Exception):
+            await self.ctx.engine.abort(self.request_id)
 
     async def final(self) -> RequestOutput:
         """Run to the end; the whole output (a non-streamed response)."""

@@ -224,11 +224,13 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
                     else:
                         for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                             getattr(lps, field).extend(getattr(gen, field))
-                if not (prefix or text or lps or c.finish_reason):
-                    continue
-                frames.append(chunk(CompletionChoice(index=idx, text=prefix + text, logprobs=lps,
-                                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+                if prefix or text or lps:
+                    frames.append(chunk(CompletionChoice(index=idx, text=prefix + text, logprobs=lps,
+                                                         finish_reason=None)))
                 if c.finish_reason is not None:
+                    # As OpenAI does: the choice ends with its own chunk, empty text and the reason.
+                    frames.append(chunk(CompletionChoice(index=idx, text="", logprobs=None,
+                                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
                     finished.add(idx)
             return frames
 
