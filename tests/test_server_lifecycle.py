@@ -97,20 +97,26 @@ def test_multi_prompt_stream_disconnect_aborts_all() -> None:
     asyncio.run(main())
 
 
-SERVE_FAKE = """
+def serve_fake(step_delay: float, ticks: int, shutdown_timeout: float, json_logs: bool = False) -> str:
+    """A `python -c` script serving the scripted engine through `_make_server`, as `wllm serve` does."""
+    logs = 'from wllm.observability.logs import setup_logging\nsetup_logging("json", "INFO")\n' if json_logs else ""
+    return f"""
 import argparse, sys
-sys.path.insert(0, TESTS_DIR)  # fake_engine
-from wllm.entrypoints.openai.app import create_app
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})  # fake_engine
+{logs}from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
 from fake_engine import ScriptedEngine
 from wllm.entrypoints.serve_cli import _make_server
-app = create_app(ScriptedEngine(max_model_len=4096, step_delay=0.005, replies=("tick " * 60,)),
+app = create_app(ScriptedEngine(max_model_len=4096, step_delay={step_delay}, replies=("tick " * {ticks},)),
                  ServerConfig(served_model_names=["tiny"]))
-args = argparse.Namespace(host="127.0.0.1", port=0, shutdown_timeout=30)
-server = _make_server(app, args, lambda h, p: print(f"READY http://{h}:{p}", flush=True))
+args = argparse.Namespace(host="127.0.0.1", port=0, shutdown_timeout={shutdown_timeout})
+server = _make_server(app, args, lambda h, p: print(f"READY http://{{h}}:{{p}}", flush=True))
 server.run()
 print("EXITED CLEANLY", flush=True)
-""".replace("TESTS_DIR", repr(str(Path(__file__).resolve().parent)))
+"""
+
+
+SERVE_FAKE = serve_fake(0.005, 60, 30)
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
@@ -147,22 +153,7 @@ def test_signal_drains_in_flight_stream_and_exits_0(sig: str) -> None:
             proc.wait()
 
 
-SERVE_FAKE_SHORT_DRAIN = """
-import argparse, sys
-sys.path.insert(0, TESTS_DIR)  # fake_engine
-from wllm.observability.logs import setup_logging
-setup_logging("json", "INFO")
-from wllm.entrypoints.openai.app import create_app
-from wllm.entrypoints.openai.config import ServerConfig
-from fake_engine import ScriptedEngine
-from wllm.entrypoints.serve_cli import _make_server
-app = create_app(ScriptedEngine(max_model_len=4096, step_delay=0.02, replies=("tick " * 200,)),
-                 ServerConfig(served_model_names=["tiny"]))
-args = argparse.Namespace(host="127.0.0.1", port=0, shutdown_timeout=0.5)
-server = _make_server(app, args, lambda h, p: print(f"READY http://{h}:{p}", flush=True))
-server.run()
-print("EXITED CLEANLY", flush=True)
-""".replace("TESTS_DIR", repr(str(Path(__file__).resolve().parent)))
+SERVE_FAKE_SHORT_DRAIN = serve_fake(0.02, 200, 0.5, json_logs=True)
 
 
 def test_drain_timeout_ends_every_stream_with_an_error_event_and_done() -> None:
