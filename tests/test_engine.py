@@ -416,3 +416,15 @@ def test_list_prefix_behaves_as_a_read_only_list_prefix():
         hash(view)
     with pytest.raises(TypeError):
         view[0] = 1  # read-only
+
+
+def test_priority_without_the_priority_policy_is_refused_not_ignored(tmp_path_factory):
+    model, _ = tiny("llama", tmp_path_factory)
+    fcfs = LLMEngine(model, None, EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=64)))
+    with pytest.raises(ValueError, match="priority scheduling policy"):
+        fcfs.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1), priority=2)
+    fcfs.add_request("b", [1, 2, 3], SamplingParams(max_tokens=1), priority=0)
+    by_priority = LLMEngine(model, None, EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=64),
+                                                      scheduler=SchedulerConfig(policy="priority")))
+    by_priority.add_request("c", [1, 2, 3], SamplingParams(max_tokens=1), priority=2)
+    assert len(by_priority.scheduler.waiting) == 1

@@ -257,6 +257,10 @@ class LLMEngine:
         self._check_open()
         params = params or SamplingParams()
         params.validate()
+        if priority and self.scheduler.config.policy != "priority":
+            # Refused rather than ignored: first come, first served has no use for it.
+            raise ValueError(f"priority {priority} needs the priority scheduling policy (`wllm serve "
+                             "--scheduling-policy priority`); this engine serves first come, first served")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass prompt token ids instead of text")
