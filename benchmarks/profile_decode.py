@@ -108,7 +108,8 @@ def phases(engine, prompt: list[int], steps: int) -> None:  # noqa: ANN001 - LLM
         setattr(obj, name, wrapper)
 
     timed(engine.scheduler, "schedule", "schedule")
-    timed(engine.worker, "execute", "execute (incl. sync)")
+    timed(engine.worker, "launch", "launch")
+    timed(engine.worker, "collect", "collect (incl. sync)")
     timed(engine.scheduler, "update_from_output", "update_from_output")
     timed(engine.scheduler.stops, "check", "detokenize + stop strings")
     timed(engine, "_make_output", "make outputs")

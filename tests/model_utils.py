@@ -194,3 +194,16 @@ def cuda_gated_mlp(hidden: int, intermediate: int, act: str) -> torch.nn.Module:
     mlp.down_proj.weight.data.normal_(std=intermediate**-0.5)
     select_kernels(mlp)
     return mlp
+
+
+async def stream_outputs(engine, prompt_ids, params, rid):
+    """A request's cumulative output after each delta it streamed from an AsyncEngine (deltas accumulated,
+    as a consumer does)."""
+    from wllm.outputs import OutputAccumulator
+
+    acc = OutputAccumulator(rid, list(prompt_ids))
+    outs = []
+    async for delta in engine.generate(prompt_ids, params, rid):
+        acc.add(delta)
+        outs.append(acc.output())
+    return outs

@@ -6,14 +6,14 @@ import asyncio
 
 import pytest
 import torch
-from model_utils import hf_greedy
+from model_utils import hf_greedy, stream_outputs
 from test_engine import GREEDY, MAX_TOKENS, assert_all_free, make_prompts, tiny
 
 from wllm.engine.async_engine import AsyncEngine, EngineDeadError
 from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from wllm.engine.llm_engine import LLMEngine
 from wllm.engine.request import QueueFullError
-from wllm.outputs import CompletionDelta, OutputAccumulator, RequestDelta
+from wllm.outputs import CompletionDelta, RequestDelta
 from wllm.sampling_params import SamplingParams
 
 
@@ -24,13 +24,7 @@ def async_engine(model, max_waiting=0, failures=3):
 
 
 async def collect(engine, rid, prompt, params=GREEDY):
-    """The request's output after each delta it streamed (deltas accumulated, as a consumer does)."""
-    acc = OutputAccumulator(rid, list(prompt))
-    outs = []
-    async for delta in engine.generate(prompt, params, rid):
-        acc.add(delta)
-        outs.append(acc.output())
-    return outs
+    return await stream_outputs(engine, prompt, params, rid)
 
 
 def test_concurrent_streams_match_hf_and_are_cumulative(tmp_path_factory):

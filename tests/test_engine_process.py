@@ -15,6 +15,7 @@ import time
 import msgspec
 import pytest
 from fake_engine import FloodEngine
+from model_utils import stream_outputs
 
 from wllm.engine.async_engine import AsyncEngine, EngineDeadError
 from wllm.engine.engine_process import EngineProcess
@@ -52,16 +53,6 @@ def proc_engine():
     engine.shutdown(close_engine=True)
 
 
-async def _stream(engine, prompt_ids, params, rid):
-    """The request's output after each delta it streamed (deltas accumulated, as a consumer does)."""
-    acc = OutputAccumulator(rid, list(prompt_ids))
-    outs = []
-    async for delta in engine.generate(prompt_ids, params, rid):
-        acc.add(delta)
-        outs.append(acc.output())
-    return outs
-
-
 def _final(out: RequestOutput):
     return [(c.index, list(c.token_ids), c.text, c.finish_reason, c.stop_reason,
              None if c.logprobs is None else [(s.token_id, round(s.logprob, 4), [t.token_id for t in s.top])
@@ -74,7 +65,7 @@ def test_streams_equal_the_in_process_engine(proc_engine):
     prompts = [tok.encode(p) for p in PROMPTS]
 
     async def run(engine):
-        return await asyncio.gather(*(_stream(engine, ids, params, f"r{i}")
+        return await asyncio.gather(*(stream_outputs(engine, ids, params, f"r{i}")
                                       for i, (ids, params) in enumerate(zip(prompts, PARAMS))))
 
     got = asyncio.run(run(proc_engine))
@@ -101,11 +92,11 @@ def test_streams_equal_the_in_process_engine(proc_engine):
 def test_refused_requests_get_the_engines_errors(proc_engine):
     async def main():
         with pytest.raises(ValueError, match="outside the vocabulary"):
-            await _stream(proc_engine, [1, 10**9], SamplingParams(max_tokens=2), "bad-id")
+            await stream_outputs(proc_engine, [1, 10**9], SamplingParams(max_tokens=2), "bad-id")
         with pytest.raises(ValueError):
-            await _stream(proc_engine, [1] * 300, SamplingParams(max_tokens=2), "too-long")
+            await stream_outputs(proc_engine, [1] * 300, SamplingParams(max_tokens=2), "too-long")
         # The engine goes on serving.
-        outs = await _stream(proc_engine, [1, 2, 3], SamplingParams(temperature=0, max_tokens=3), "after")
+        outs = await stream_outputs(proc_engine, [1, 2, 3], SamplingParams(temperature=0, max_tokens=3), "after")
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
 
     asyncio.run(main())
@@ -139,7 +130,7 @@ def test_abort_ends_the_stream_and_frees_the_childs_blocks(proc_engine):
         gen = proc_engine.generate([5, 6, 7], params, "dropped")
         await gen.__anext__()
         await gen.aclose()
-        return await _stream(proc_engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "dropped")
+        return await stream_outputs(proc_engine, [5, 6, 7], SamplingParams(temperature=0, max_tokens=2), "dropped")
 
     assert asyncio.run(stop_iterating())[-1].finished  # the id is free again
 
@@ -161,7 +152,7 @@ def test_a_dead_child_fails_every_request_and_the_engine():
         assert outs[-1].finished and outs[-1].error and "engine process" in outs[-1].error
         assert not engine.is_healthy()
         with pytest.raises(EngineDeadError):
-            asyncio.run(_stream(engine, [1, 2], SamplingParams(max_tokens=2), "later"))
+            asyncio.run(stream_outputs(engine, [1, 2], SamplingParams(max_tokens=2), "later"))
     finally:
         engine.shutdown(close_engine=True)
 
@@ -243,9 +234,9 @@ def test_a_burst_of_long_prompts_while_streaming(proc_engine):
 
     async def main():
         streaming = asyncio.ensure_future(
-            _stream(proc_engine, [1, 2, 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "bg"))
+            stream_outputs(proc_engine, [1, 2, 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), "bg"))
         await asyncio.sleep(0.2)
-        outs = await asyncio.gather(*(_stream(proc_engine, p, SamplingParams(temperature=0, max_tokens=2),
+        outs = await asyncio.gather(*(stream_outputs(proc_engine, p, SamplingParams(temperature=0, max_tokens=2),
                                               f"burst{i}") for i, p in enumerate(prompts)))
         return outs, await streaming
 
@@ -269,8 +260,8 @@ def test_commands_and_results_never_wait_on_each_other():
     prompts = [list(range(i, i + 4000)) for i in range(200)]
 
     async def main():
-        return await asyncio.gather(*(_stream(engine, p, SamplingParams(max_tokens=3, prompt_logprobs=0), f"f{i}")
-                                      for i, p in enumerate(prompts)))
+        params = SamplingParams(max_tokens=3, prompt_logprobs=0)
+        return await asyncio.gather(*(stream_outputs(engine, p, params, f"f{i}") for i, p in enumerate(prompts)))
 
     try:
         outs = asyncio.run(asyncio.wait_for(main(), 60))
@@ -286,13 +277,13 @@ def test_commands_and_results_never_wait_on_each_other():
 def test_a_child_that_dies_while_idle_makes_the_engine_unhealthy():
     engine = _flood_engine()
     try:
-        assert asyncio.run(_stream(engine, [1], SamplingParams(max_tokens=2), "a"))[-1].finished
+        assert asyncio.run(stream_outputs(engine, [1], SamplingParams(max_tokens=2), "a"))[-1].finished
         assert engine.is_healthy()
         engine.engine._proc.kill()
         engine.engine._proc.join(10)
         assert not engine.is_healthy()  # /health answers 503 without waiting for a request
         with pytest.raises(EngineDeadError, match="process exited"):
-            asyncio.run(_stream(engine, [1], SamplingParams(max_tokens=2), "b"))
+            asyncio.run(stream_outputs(engine, [1], SamplingParams(max_tokens=2), "b"))
     finally:
         engine.shutdown(close_engine=True)
 
@@ -300,7 +291,7 @@ def test_a_child_that_dies_while_idle_makes_the_engine_unhealthy():
 def test_a_child_whose_step_raises_fails_the_engine():
     engine = _flood_engine(fail_at_step=3)
     try:
-        outs = asyncio.run(asyncio.wait_for(_stream(engine, [1, 2], SamplingParams(max_tokens=50), "x"), 60))
+        outs = asyncio.run(asyncio.wait_for(stream_outputs(engine, [1, 2], SamplingParams(max_tokens=50), "x"), 60))
         assert outs[-1].finished and "the stub engine broke" in (outs[-1].error or "")
         assert not engine.is_healthy()
     finally:
@@ -379,7 +370,7 @@ def test_a_command_msgpack_cannot_carry_fails_alone():
             engine.engine.add_request("bad", [2**65], SamplingParams(max_tokens=2))
 
         async def main():
-            return await asyncio.wait_for(_stream(engine, [1, 2, 3], SamplingParams(max_tokens=3), "good"), 60)
+            return await asyncio.wait_for(stream_outputs(engine, [1, 2, 3], SamplingParams(max_tokens=3), "good"), 60)
 
         outs = asyncio.run(main())
         assert outs[-1].finished and outs[-1].outputs[0].token_ids == [7, 8, 9]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from model_utils import stream_outputs
 
 from wllm.engine.async_engine import AsyncEngine
 from wllm.engine.engine_process import EngineProcess
 from wllm.engine.llm_engine import LLMEngine
-from wllm.outputs import OutputAccumulator
 from wllm.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -25,16 +25,9 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
 def _streams(engine: AsyncEngine, prompts: list[list[int]]) -> list[list]:
     """Each request alone, one after another: the same batches in both engines, so bf16 results are the
     same bit for bit (concurrent requests could meet in different steps in the two)."""
-    async def one(ids, params, rid):  # the output after each delta (accumulated, as a consumer does)
-        acc = OutputAccumulator(rid, list(ids))
-        outs = []
-        async for delta in engine.generate(ids, params, rid):
-            acc.add(delta)
-            outs.append(acc.output())
-        return outs
-
     async def run():
-        return [await one(ids, params, f"r{i}") for i, (ids, params) in enumerate(zip(prompts, PARAMS))]
+        return [await stream_outputs(engine, ids, params, f"r{i}")
+                for i, (ids, params) in enumerate(zip(prompts, PARAMS))]
 
     engine.start()
     try:

@@ -196,6 +196,18 @@ class _ChoiceSoFar:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 
+    def add(self, d: CompletionDelta) -> None:
+        """Append what `d` says this choice added (the newest delta's cumulative fields win)."""
+        if d.text:
+            self.text.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(d.logprobs)
+        self.cumulative_logprob, self.finish_reason, self.stop_reason = d.cumulative_logprob, d.finish_reason, \
+            d.stop_reason
+
 
 class OutputAccumulator:
     """Consumer side: the cumulative `RequestOutput` of a request, from its deltas in order. For the consumers
@@ -220,14 +232,7 @@ class OutputAccumulator:
             c = self._choices.get(d.index)
             if c is None:
                 c = self._choices[d.index] = _ChoiceSoFar()
-            if d.text:
-                c.text.append(d.text)
-            c.token_ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                if c.logprobs is None:
-                    c.logprobs = []
-                c.logprobs.extend(d.logprobs)
-            c.cumulative_logprob, c.finish_reason, c.stop_reason = d.cumulative_logprob, d.finish_reason, d.stop_reason
+            c.add(d)
 
     def output(self) -> RequestOutput:
         """Everything so far (choices in the newest delta's order, then any it left out)."""
@@ -253,7 +258,7 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
-    merged: dict[int, CompletionDelta] = {}
+    merged: dict[int, _ChoiceSoFar] = {}
     prompt_lps: list[StepLogprobs | None] | None = None
     for delta in deltas:
         if delta.prompt_logprobs is not None:
@@ -261,18 +266,14 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
         for d in delta.outputs:
             m = merged.get(d.index)
             if m is None:
-                merged[d.index] = CompletionDelta(d.index, d.text, list(d.token_ids),
-                                                  None if d.logprobs is None else list(d.logprobs),
-                                                  d.cumulative_logprob, d.finish_reason, d.stop_reason)
-                continue
-            m.text += d.text
-            m.token_ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                if m.logprobs is None:
-                    m.logprobs = []
-                m.logprobs.extend(d.logprobs)
-            m.cumulative_logprob, m.finish_reason, m.stop_reason = d.cumulative_logprob, d.finish_reason, d.stop_reason
+                m = merged[d.index] = _ChoiceSoFar()
+            m.add(d)
     order = [d.index for d in last.outputs]
     order += [i for i in merged if i not in order]
-    return RequestDelta(last.request_id, [merged[i] for i in order], last.finished, last.num_cached_tokens,
-                        prompt_lps, last.metrics, last.error)
+    outs = []
+    for i in order:
+        m = merged[i]
+        outs.append(CompletionDelta(i, "".join(m.text), m.token_ids, m.logprobs, m.cumulative_logprob,
+                                    m.finish_reason, m.stop_reason))
+    return RequestDelta(last.request_id, outs, last.finished, last.num_cached_tokens, prompt_lps, last.metrics,
+                        last.error)

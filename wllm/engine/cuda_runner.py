@@ -358,10 +358,6 @@ class CudaStepRunner:
         return buf[:rows]
 
     # --------------------------------------------------------------------------------------- step
-    def execute(self, plan: StepPlan) -> dict[str, RowResult]:
-        """Run one step's forward and sampling; returns each row's sampled tokens and prompt logprobs."""
-        return self.collect(self.launch(plan))
-
     def launch(self, plan: StepPlan, prev: PendingStep | None = None) -> PendingStep:
         """Enqueue one step (uploads, forward, sampling, the copy of its results to the host) and
         return without waiting for the device; `collect` waits and returns the results.

@@ -342,7 +342,10 @@ class Scheduler:
             live.append((seq, row))
             if k and self.stops.ends_by_length(seq.group.params, len(seq.output_token_ids) + 1, seq.num_tokens + 1):
                 ended.add(row.seq_id)
-        register = self.kv.enable_caching and len(self.waiting) > 0
+        # Offering every live row's blocks costs a call per row on the host, in every step planned ahead: only
+        # when the admission after the running rows can take a waiting sequence.
+        register = self.kv.enable_caching and len(self.waiting) > 0 and \
+            len(self.running) - len(ended) < self.config.max_num_seqs
         if register or ended:
             for seq, row in live:
                 end = row.seq_id in ended

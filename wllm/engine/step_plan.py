@@ -151,10 +151,6 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not (self.rows or self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)
 
-    @property
-    def has_prompt_logprobs(self) -> bool:
-        return bool(self.prompt_tokens)
-
     def __repr__(self) -> str:
         return (f"StepPlan({len(self.rows)} rows, {self.num_tokens} tokens, {len(self.samples)} samples, "
                 f"in_flight={self.in_flight})")

@@ -142,10 +142,6 @@ class Worker:
         be planned with this one in flight (`StepPlan.in_flight`): the kernel path only."""
         return self.runner.supports_in_flight
 
-    def execute(self, plan: StepPlan) -> dict[str, RowResult]:
-        """Run one step and return each row's sampled tokens and prompt logprobs."""
-        return self.collect(self.launch(plan))
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: StepHandle | None = None) -> StepHandle:
         """Start a step (its block copies and swaps first); `collect` returns its results. The kernel path
