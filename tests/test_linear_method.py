@@ -285,6 +285,8 @@ def test_gated_mlp_stays_in_pytorch_without_the_kernels(calls) -> None:
     down projection returns its product (the caller adds the residual)."""
     torch.manual_seed(2)
     mlp = GatedMLP(64, 96, "silu").to(torch.bfloat16)
+    mlp.gate_up_proj.weight.data.normal_(std=64**-0.5)
+    mlp.down_proj.weight.data.normal_(std=96**-0.5)
     select_kernels(mlp, lambda device: _target((9, 0), kernels=False))
     assert mlp.kernel_act is None
     x = torch.randn(20, 64, dtype=torch.bfloat16)
