@@ -33,6 +33,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # An llguidance top-level grammar (the serialised form `llguidance.LLMatcher` accepts); built from request
+    # fields by wllm.structured. The engine only ever sees this string.
+    grammar: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for out-of-range values."""
