@@ -23,7 +23,7 @@ from wllm.entrypoints.openai.auth import bearer_token
 from wllm.entrypoints.openai.config import ServerConfig
 from wllm.entrypoints.openai.decoding import StrictRequest
 from wllm.entrypoints.openai.engine_client import EngineClient
-from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, error_response
+from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, bad_request, client_closed, error_response
 from wllm.entrypoints.openai.middleware import JSONErrorCORSMiddleware, ObservabilityMiddleware, client_host
 from wllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -137,12 +137,14 @@ async def tokenize(request: Request[Any, Any, Any], data: JSONBody[TokenizeReque
             raise bad_request("add_special_tokens applies to `prompt` only; the chat template writes the "
                               "special tokens of `messages`", param="add_special_tokens")
         gen = True if data.add_generation_prompt is None else data.add_generation_prompt
-        ids = chat_prompt_ids(ctx, data.messages, None, gen, None)
+        ids = await ctx.prep.run(_record(request).body_bytes, chat_prompt_ids, ctx, data.messages, None, gen, None)
     else:
         if data.add_generation_prompt is not None:
             raise bad_request("add_generation_prompt applies to `messages` only", param="add_generation_prompt")
         special = True if data.add_special_tokens is None else data.add_special_tokens
-        ids = ctx.engine.tokenizer.encode(data.prompt or "", add_special_tokens=special)
+        prompt = data.prompt or ""
+        ctx.check_prompt_chars(prompt, "prompt")
+        ids = await ctx.prep.run(_record(request).body_bytes, ctx.engine.tokenizer.encode, prompt, special)
     return TokenizeResponse(count=len(ids), max_model_len=ctx.engine.max_model_len, tokens=ids)
 
 
@@ -197,8 +199,7 @@ def _unprefixed_aliases() -> list[BaseRouteHandler]:
 
 
 def _disconnected(_: Request[Any, Any, Any], __: ClientDisconnected) -> Response[Any]:
-    # Nobody reads this; 499 ("client closed request", as nginx logs it) marks it in logs and metrics.
-    return error_response(APIError(499, "client closed the request"))
+    return error_response(client_closed())
 
 
 def create_app(
@@ -234,6 +235,7 @@ def create_app(
         openapi_config=OpenAPIConfig(title="wLLM", version=__version__, path="/docs",
                                      description="OpenAI-compatible LLM inference server"),
         state=State({"server": ctx}),
+        on_shutdown=[ctx.prep.shutdown],
         logging_config=None,
         debug=False,
     )

@@ -24,6 +24,9 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     cors_origins: list[str] = msgspec.field(default_factory=list)
     metrics_auth: bool = False  # whether GET /metrics needs an API key (when keys are set); off: open to scrapers
     max_body_bytes: int = 16 * MiB
+    # Most characters in one prompt (a rendered chat, or one completion prompt), refused before it is
+    # tokenized; None: 16 characters per token of the model's context (offload.DEFAULT_CHARS_PER_TOKEN).
+    max_prompt_chars: int | None = None
     max_n: int = 16
     max_stop: int = 16
     max_stop_chars: int = 1024
@@ -43,7 +46,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         for name in ("max_body_bytes", "max_n", "max_stop", "max_stop_chars", "max_logit_bias", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("rate_limit_rpm", "rate_limit_tpm"):
+        for name in ("rate_limit_rpm", "rate_limit_tpm", "max_prompt_chars"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

@@ -16,9 +16,18 @@ from typing import Any
 import msgspec
 import numpy as np
 from litestar import Request
+from litestar.exceptions import InternalServerException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
 from litestar.types import Empty
 
-from wllm.entrypoints.openai.errors import APIError
+from wllm.entrypoints.openai.errors import APIError, upload_timeout
+from wllm.entrypoints.openai.serving_common import (
+    STATE_KEY,
+    UPLOAD_TIMEOUT_KEY,
+    ClientDisconnected,
+    RequestRecord,
+    ServerContext,
+)
 
 # The deepest JSON nesting (arrays and objects together) a request body may have. The deepest real
 # request is a chat message with content parts or a tool call with JSON-schema parameters, about a
@@ -102,7 +111,30 @@ def decode_body(body: bytes, type_: Any) -> Any:
 
 
 class StrictRequest(Request[Any, Any, Any]):
-    """`Request` whose `json()` is `decode_body` into the handler's `data` type (or `Any`)."""
+    """`Request` whose `json()` is `decode_body` into the handler's `data` type (or `Any`), off the event
+    loop for a large body, and whose `body()` tells an abandoned upload (499) and a timed-out one (408)
+    from a server error (Litestar raises a 500 for both)."""
+
+    def _record(self) -> RequestRecord | None:
+        return self.scope.get("state", {}).get(STATE_KEY)
+
+    async def body(self) -> bytes:
+        try:
+            body = await super().body()
+        except RequestEntityTooLarge:
+            if (record := self._record()) is not None:  # what was read of it is freed memory to give back
+                record.body_bytes = max(record.body_bytes, self.route_handler.resolve_request_max_body_size() or 0)
+            raise
+        except InternalServerException as exc:
+            timeout = self.scope.get("state", {}).get(UPLOAD_TIMEOUT_KEY)
+            if timeout is not None:
+                raise upload_timeout(timeout) from None
+            if "disconnect" in str(exc.detail):  # the client went away mid-upload
+                raise ClientDisconnected() from None
+            raise
+        if (record := self._record()) is not None:
+            record.body_bytes = len(body)
+        return body
 
     async def json(self) -> Any:
         if self._json is Empty:
@@ -111,5 +143,11 @@ class StrictRequest(Request[Any, Any, Any]):
             else:
                 data = self.route_handler.parsed_fn_signature.parameters.get("data")
                 type_ = data.annotation if data is not None else Any
-                self._json = self._connection_state.json = decode_body(await self.body(), type_)
+                body = await self.body()
+                ctx: ServerContext | None = self.app.state.get("server")
+                if ctx is not None:
+                    decoded = await ctx.prep.run(len(body), decode_body, body, type_)
+                else:
+                    decoded = decode_body(body, type_)
+                self._json = self._connection_state.json = decoded
         return self._json

@@ -67,6 +67,17 @@ def service_unavailable(message: str, retry_after: int = 1) -> APIError:
                     headers={"Retry-After": str(retry_after)})
 
 
+def upload_timeout(timeout_s: float) -> APIError:
+    """408 for a body that did not arrive within --timeout-body (sent by the connection watchdog too)."""
+    return APIError(408, f"The request body did not arrive within {timeout_s:g} s of its headers "
+                         "(--timeout-body); the connection is closed.", code="request_timeout")
+
+
+def client_closed() -> APIError:
+    # Nobody reads this; 499 ("client closed request", as nginx logs it) marks it in logs and metrics.
+    return APIError(499, "client closed the request", code="client_closed_request")
+
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",

@@ -76,6 +76,7 @@ class ObservabilityMiddleware:
               elapsed: float) -> None:
         ctx = self.ctx
         ctx.metrics.requests.labels(endpoint, str(status)).inc()
+        ctx.prep.request_finished(record.body_bytes)
         used = record.prompt_tokens + record.completion_tokens
         if used:
             ctx.limiter.charge_tokens(record.key_id or record.client or "unknown", used)

@@ -81,7 +81,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
-    """Render the chat template and tokenize; template errors are the client's (400), with their text."""
+    """Render the chat template and tokenize; template errors are the client's (400), with their text.
+
+    A prompt over --max-prompt-chars is refused between the two. Blocking: for a large request body,
+    call it through `ctx.prep.run` (off the event loop)."""
     tok = ctx.engine.tokenizer
     try:
         kwargs = dict(template_kwargs or {})
@@ -94,6 +97,7 @@ def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], tools: list
     except Exception as exc:  # jinja2 raises TemplateError, templates raise their own messages
         raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
     if isinstance(rendered, str):
+        ctx.check_prompt_chars(rendered, "messages")
         # The template already wrote BOS and other special tokens as text.
         return tok.encode(rendered, add_special_tokens=False)
     return list(rendered)
@@ -127,7 +131,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     top_n = req.top_logprobs or 0
-    prompt_ids = chat_prompt_ids(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+    prompt_ids = await ctx.prep.run(record.body_bytes, chat_prompt_ids, ctx, req.messages, req.tools,
+                                    req.add_generation_prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, ctx.engine.max_model_len, "messages")
     params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None)

@@ -23,6 +23,7 @@ from wllm.entrypoints.openai.auth import APIKeyChecker
 from wllm.entrypoints.openai.config import ServerConfig
 from wllm.entrypoints.openai.engine_client import EngineClient, EngineDeadError, QueueFullError
 from wllm.entrypoints.openai.errors import APIError, bad_request, model_not_found, service_unavailable
+from wllm.entrypoints.openai.offload import DEFAULT_CHARS_PER_TOKEN, PrepPool
 from wllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from wllm.entrypoints.openai.rate_limit import RateLimiter
 from wllm.observability.metrics import ServerMetrics
@@ -35,6 +36,9 @@ T = TypeVar("T")
 
 SYSTEM_FINGERPRINT = f"wllm-{__version__}"
 STATE_KEY = "wllm_record"
+# Set in a request's scope["state"] (to --timeout-body's seconds) by the connection watchdog when its body
+# upload timed out: the app then ends the request as a 408, not as a client disconnect.
+UPLOAD_TIMEOUT_KEY = "wllm_upload_timeout"
 # JSON has no -inf; a masked-out token's logprob is reported as this (what vLLM does too).
 MIN_LOGPROB = -9999.0
 
@@ -50,6 +54,7 @@ class RequestRecord:
         self.request_id: str | None = None
         self.key_id: str | None = None
         self.client: str | None = None
+        self.body_bytes = 0  # size of the request body (decides where its preparation runs; see offload.py)
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
@@ -86,6 +91,8 @@ class ServerContext:
         self.tracer = tracer
         self.keys = APIKeyChecker(config.api_keys)
         self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+        self.prep = PrepPool()
+        self.max_prompt_chars = config.max_prompt_chars or DEFAULT_CHARS_PER_TOKEN * engine.max_model_len
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self.running: set[EngineRun] = set()  # engine requests being consumed now (streamed or not)
@@ -115,6 +122,13 @@ class ServerContext:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.config.served_model_names:
             raise model_not_found(model)
+
+    def check_prompt_chars(self, text: str, what: str) -> None:
+        """400 for a prompt longer than --max-prompt-chars, before any time is spent tokenizing it."""
+        if len(text) > self.max_prompt_chars:
+            raise bad_request(f"The {what} is {len(text)} characters long; this server takes at most "
+                              f"{self.max_prompt_chars} characters in one prompt (--max-prompt-chars).",
+                              param=what, code="prompt_too_long")
 
     def check_healthy(self) -> None:
         if not self.engine.is_healthy():

@@ -61,6 +61,18 @@ def parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
     return prompts
 
 
+def _prepare_prompts(ctx: ServerContext, prompt: Any, echo: bool) -> tuple[list[list[int]], list[str]]:
+    """The prompts, their token ids and (for echo) their texts. Blocking: run it through `ctx.prep`."""
+    tok = ctx.engine.tokenizer
+    prompts = parse_prompts(prompt, getattr(tok, "vocab_size", None))
+    for p in prompts:
+        if isinstance(p, str):
+            ctx.check_prompt_chars(p, "prompt")
+    prompt_ids = [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+    texts = [p if isinstance(p, str) else (tok.decode(p, skip_special_tokens=False) if echo else "") for p in prompts]
+    return prompt_ids, texts
+
+
 class _LogprobWriter:
     """Builds a choice's CompletionLogprobs incrementally (text_offset continues across chunks)."""
 
@@ -134,9 +146,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
     reject_unsupported(req)
     if req.suffix:
         raise bad_request("suffix is not supported by this server", param="suffix")
-    tok = ctx.engine.tokenizer
-    prompts = parse_prompts(req.prompt, getattr(tok, "vocab_size", None))
-    prompt_ids = [tok.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts]
+    prompt_ids, prompt_texts = await ctx.prep.run(record.body_bytes, _prepare_prompts, ctx, req.prompt, req.echo)
     top_n = req.logprobs
     request_id = new_id("cmpl")
     record.request_id = request_id
@@ -147,7 +157,6 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
                                        prompt_logprobs=top_n if req.echo and top_n is not None else None)
         runs.append(EngineRun(ctx, record, ids, params, f"{request_id}-{i}", priority=req.priority,
                               cache_salt=req.cache_salt))
-    prompt_texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]
     n, model, created = req.n, ctx.model_name, int(time.time())
 
     def prompt_part(i: int, prompt_logprobs: list[StepLogprobs | None] | None,

@@ -346,17 +346,18 @@ class Tokenizer:
     # ----------------------------------------------------------------- encode / decode
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special-token texts in it (e.g. <|im_start|>) map to their ids."""
-        if not self._manual_specials:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._backend.encode(text, add_special_tokens=False).ids
-        return self._frame(ids) if add_special_tokens else ids
+        """Token ids of `text`; special-token texts in it (e.g. <|im_start|>) map to their ids.
+
+        Through `encode_batch_fast`, which computes no character offsets (we never use them): about half
+        the time and a fraction of the memory of `encode` on long prompts, and it holds the GIL only to
+        convert the result, so the server can tokenize a long prompt in a thread without stalling."""
+        return self.encode_batch([text], add_special_tokens)[0]
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for many texts at once (parallel in the Rust backend)."""
         if not self._manual_specials:
-            return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
-        out = [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+            return [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)]
+        out = [e.ids for e in self._backend.encode_batch_fast(list(texts), add_special_tokens=False)]
         return [self._frame(ids) for ids in out] if add_special_tokens else out
 
     def _frame(self, ids: list[int]) -> list[int]:
