@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import sys
 import threading
@@ -25,12 +26,22 @@ GiB = 1 << 30
 # After the drain timeout, how long the requests that were then cut (error event, [DONE]) get to send
 # their last bytes before uvicorn cancels what is left.
 CUT_GRACE_S = 5.0
+# h11 refuses a head over its own limit with a bare 400; set above ours by more than one socket read (asyncio
+# reads at most 256 KiB at a time), the watchdog's 431 with an OpenAI body always comes first.
+H11_HEADROOM = 256 * 1024 + 1
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -58,6 +69,17 @@ def register(subparsers: Any) -> None:
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; those "
                           "still running then end with a server_shutdown error")
+    net.add_argument("--timeout-keep-alive", type=_positive_float, default=5.0, metavar="S",
+                     help="close a connection that sends no request for S seconds (a new one too)")
+    net.add_argument("--timeout-header", type=_positive_float, default=10.0, metavar="S",
+                     help="a request's headers must be complete S seconds after their first byte (else 408)")
+    net.add_argument("--timeout-body", type=_positive_float, default=60.0, metavar="S",
+                     help="a request's body must have arrived S seconds after its headers (else 408)")
+    net.add_argument("--max-header-size", type=_positive_float, default=64.0, metavar="KIB",
+                     help="largest request head (request line and headers), in KiB (else 431)")
+    net.add_argument("--max-connections", type=_positive_int, default=1024, metavar="N",
+                     help="most open connections; at the cap the longest-idle one is closed to make room, "
+                          "and when all are busy a new one gets 503")
 
     model = p.add_argument_group("model")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
@@ -120,7 +142,11 @@ def register(subparsers: Any) -> None:
                      help="allow browser requests from ORIGIN (repeatable; '*' for any). Default: CORS off")
     sec.add_argument("--metrics-auth", action=argparse.BooleanOptionalAction, default=False,
                      help="GET /metrics needs an API key too (when keys are set). Default: off, open to scrapers")
-    sec.add_argument("--max-body-size", type=float, default=16.0, help="largest request body, in MiB")
+    sec.add_argument("--max-body-size", type=_positive_float, default=16.0, metavar="MIB",
+                     help="largest request body, in MiB (else 413)")
+    sec.add_argument("--max-prompt-chars", type=_positive_int, default=None, metavar="N",
+                     help="longest prompt in characters (a rendered chat, or one completion prompt), refused "
+                          "with a 400 before it is tokenized; default: 16 per token of --max-model-len")
     sec.add_argument("--max-n", type=_positive_int, default=16, help="largest `n` a request may ask for")
 
     obs = p.add_argument_group("observability")
@@ -208,9 +234,24 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     return async_engine, source
 
 
+def connection_limits(args: argparse.Namespace) -> Any:
+    """The `ConnectionLimits` of the network flags (defaults for a namespace without them)."""
+    from wllm.entrypoints.openai.connections import ConnectionLimits
+
+    d = ConnectionLimits()
+    return ConnectionLimits(
+        keep_alive_timeout=getattr(args, "timeout_keep_alive", d.keep_alive_timeout),
+        header_timeout=getattr(args, "timeout_header", d.header_timeout),
+        body_timeout=getattr(args, "timeout_body", d.body_timeout),
+        max_header_bytes=int(getattr(args, "max_header_size", d.max_header_bytes / 1024) * 1024),
+        max_connections=getattr(args, "max_connections", d.max_connections))
+
+
 def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
     import uvicorn
     from uvicorn.server import HANDLED_SIGNALS
+
+    from wllm.entrypoints.openai.connections import default_http_protocol, guarded_protocol
 
     class Server(uvicorn.Server):
         """uvicorn's server, but a signal-initiated graceful stop is a clean exit (status 0).
@@ -265,10 +306,18 @@ def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
     # At high concurrency one event loop's CPU bounds serving, and httptools spends less of it per token.
     # The drain timeout is ours (Server._wait_tasks_to_complete above, a private uvicorn hook, tested by
     # test_server_lifecycle); a uvicorn without that hook keeps its own timeout and its hard cut.
+    # The protocol is uvicorn's, under a watchdog for the header / body / idle timeouts and the connection cap
+    # that uvicorn lacks (connections.py); its connection-closing events are counted in /metrics.
     own_drain = hasattr(uvicorn.Server, "_wait_tasks_to_complete")
+    limits = connection_limits(args)
+    ctx = app.state.get("server") if hasattr(app, "state") else None
+    on_close = (lambda reason: ctx.metrics.connections_closed.labels(reason=reason).inc()) if ctx is not None else None
+    protocol = guarded_protocol(default_http_protocol(), limits, on_close)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
                             timeout_graceful_shutdown=None if own_drain else args.shutdown_timeout,
-                            loop="asyncio", http="auto", lifespan="on", server_header=False)
+                            timeout_keep_alive=max(1, math.ceil(limits.keep_alive_timeout)),
+                            h11_max_incomplete_event_size=limits.max_header_bytes + H11_HEADROOM,
+                            loop="asyncio", http=protocol, lifespan="on", server_header=False)
     return Server(config)
 
 
@@ -288,7 +337,9 @@ def run_serve(args: argparse.Namespace) -> int:
             chat_template=_chat_template(args.chat_template),
             api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
             cors_origins=args.cors_origin, metrics_auth=args.metrics_auth,
-            max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
+            max_body_bytes=max(1, int(args.max_body_size * MiB)), max_prompt_chars=args.max_prompt_chars,
+            max_n=args.max_n)
+        connection_limits(args).validate()
         server_config.validate()
     except (APIKeyError, TracingSetupError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -98,6 +98,9 @@ class ServerMetrics:
         self.cached_prompt_tokens = Counter("wllm_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                             registry=r)
         self.generation_tokens = Counter("wllm_generation_tokens", "Tokens generated", registry=r)
+        self.connections_closed = Counter(
+            "wllm_connections_closed", "Connections the server closed early (timeouts, limits), by reason",
+            ["reason"], registry=r)
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._window_lock = threading.Lock()
         self._engine_collector: _EngineCollector | None = None
