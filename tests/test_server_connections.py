@@ -47,10 +47,17 @@ server.run()
 
 class Server:
     def __init__(self, http: str) -> None:
-        script = SERVE.format(tests=str(Path(__file__).resolve().parent), http=http, keep_alive=KEEP_ALIVE,
-                              header=HEADER, body=BODY, cap=CAP)
-        self.proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        script = SERVE.format(
+            tests=str(Path(__file__).resolve().parent),
+            http=http,
+            keep_alive=KEEP_ALIVE,
+            header=HEADER,
+            body=BODY,
+            cap=CAP,
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()  # type: ignore
@@ -160,8 +167,10 @@ def test_trickled_body_is_a_408_in_the_response_the_log_and_the_metrics(server: 
     before = server.metric("wllm_requests_total", endpoint="/v1/completions", status="408")
     with server.connect() as sock:
         start = time.monotonic()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: 1000\r\n\r\n" + b'{"model": "tiny", "prompt": "')
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 1000\r\n\r\n" + b'{"model": "tiny", "prompt": "'
+        )
         time.sleep(0.3)
         sock.sendall(b"a" * 10)  # a little, then nothing more
         assert_healthy(server)
@@ -183,8 +192,10 @@ def test_trickled_body_is_a_408_in_the_response_the_log_and_the_metrics(server: 
 def test_abandoned_upload_is_a_499_never_a_500(server: Server) -> None:
     before = server.metric("wllm_requests_total", endpoint="/v1/chat/completions", status="499")
     with server.connect() as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: 100000\r\n\r\n" + b'{"model": "tiny", "messages": [' + b" " * 5000)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100000\r\n\r\n" + b'{"model": "tiny", "messages": [' + b" " * 5000
+        )
         time.sleep(0.2)
     deadline = time.monotonic() + 10
     while server.metric("wllm_requests_total", endpoint="/v1/chat/completions", status="499") == before:
@@ -200,8 +211,11 @@ def test_idle_sockets_beyond_the_cap_do_not_lock_out_real_clients(server: Server
         time.sleep(0.2)
         start = time.monotonic()
         for _ in range(3):  # each new connection makes room by closing the longest-idle one
-            r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
-                           timeout=KEEP_ALIVE + SLACK)
+            r = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                timeout=KEEP_ALIVE + SLACK,
+            )
             assert r.status_code == 200
         assert time.monotonic() - start < KEEP_ALIVE  # served by eviction, not by waiting out the idle timeout
         closed = 0
