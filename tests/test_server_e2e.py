@@ -232,6 +232,54 @@ def test_disconnect_mid_stream_frees_blocks(server: ServerProcess) -> None:
     assert '"error":"client disconnected"' in server.log.read_text(encoding="utf-8")
 
 
+def test_soak_with_disconnects_returns_kv_and_gauges_to_zero(server: ServerProcess,
+                                                             request: pytest.FixtureRequest) -> None:
+    """16 concurrent streams, every fifth one dropped by its client mid-stream (issue 32): the others end
+    with [DONE], nothing is a 5xx, and the KV cache and the running / waiting gauges come back to 0.
+
+    On the engine thread only (the CPU's default): on a loaded 2-core CI machine the engine process
+    shares the cores with the server and took minutes for the same streams."""
+    if request.node.callspec.params.get("server") == "engine-process":
+        pytest.skip("minutes on a 2-core CPU; the engine process's disconnect path is covered by "
+                    "test_disconnect_mid_stream_frees_blocks")
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def one(ac: httpx.AsyncClient, i: int) -> str:
+        body = {"model": DEFAULT_MODEL_NAME, "messages": ask(f"Tell story number {i}."), "max_tokens": 24,
+                "ignore_eos": True, "stream": True}
+        async with ac.stream("POST", f"{server.base_url}/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            events = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                assert '"error"' not in line, line
+                if i % 5 == 4 and events >= 2 + i % 3:
+                    return "cancelled"  # leaving the block closes the connection mid-stream
+                if line == "data: [DONE]":
+                    return "done"
+        return "cut short"
+
+    async def main() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as ac:
+            return await asyncio.gather(*(one(ac, i) for i in range(16)))
+
+    results = asyncio.run(main())
+    assert results.count("cancelled") == 3 and results.count("done") == 13, results
+    deadline = time.monotonic() + 60
+    while True:  # engine stats are refreshed by engine steps: run a short request through before looking
+        httpx.post(f"{server.base_url}/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=headers,
+                   timeout=60).raise_for_status()
+        m = metrics(server)
+        idle = (m["wllm_num_requests_running"], m["wllm_num_requests_waiting"], m["wllm_kv_cache_usage_ratio"])
+        if idle == (0.0, 0.0, 0.0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle == (0.0, 0.0, 0.0)
+    assert not [k for k, v in m.items() if "('status', '5" in k and v], m
+
+
 def test_metrics_move_and_small_endpoints(server: ServerProcess, client: openai.OpenAI) -> None:
     key = "wllm_requests_total[('endpoint', '/v1/completions'), ('status', '200')]"
     before = metrics(server)
