@@ -346,3 +346,59 @@ def test_null_content_renders_in_the_real_template_helper() -> None:
     out = render_chat_template(SMOLLM2_TEMPLATE, TOOL_HISTORY, add_generation_prompt=True)
     assert out.endswith("<|im_start|>assistant\n<|im_end|>\n<|im_start|>tool\n21C<|im_end|>\n"
                         "<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------ item 2: prompt length
+
+
+def test_prompts_over_max_prompt_chars_are_400_before_tokenizing() -> None:
+    engine = ScriptedEngine(max_model_len=4096)
+    engine.tokenizer = TemplateTokenizer()
+    encoded: list[int] = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text, add_special_tokens=True: encoded.append(len(text)) or encode(  # type: ignore
+        text, add_special_tokens)
+    app = create_app(engine, ServerConfig(served_model_names=["tiny"], max_prompt_chars=1000))
+    long = "x" * 1001
+    with TestClient(app) as c:
+        cases = [
+            (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": long}]}, "messages"),
+            (COMPLETIONS, {"model": "tiny", "prompt": long}, "prompt"),
+            (COMPLETIONS, {"model": "tiny", "prompt": ["ok", long]}, "prompt"),
+            (TOKENIZE, {"prompt": long}, "prompt"),
+            (TOKENIZE, {"messages": [{"role": "user", "content": long}]}, "messages"),
+        ]
+        for path, body, param in cases:
+            err = assert_400(c.post(path, json=body), param=param, fragment="--max-prompt-chars", case=path)
+            assert err["code"] == "prompt_too_long"
+        assert encoded == [], "a refused prompt was tokenized"
+        assert c.post(COMPLETIONS, json={"model": "tiny", "prompt": "x" * 900, "max_tokens": 2}).status_code == 200
+
+
+def test_default_prompt_limit_is_16_characters_per_token_of_context() -> None:
+    app = create_app(ScriptedEngine(max_model_len=100), ServerConfig(served_model_names=["tiny"]))
+    with TestClient(app) as c:
+        err = assert_400(c.post(TOKENIZE, json={"prompt": "y" * 1601}), param="prompt")
+        assert err["code"] == "prompt_too_long" and "at most 1600 characters" in err["message"]
+        assert c.post(TOKENIZE, json={"prompt": "y" * 1600}).json()["count"] == 1601
+
+
+def test_a_large_body_is_prepared_off_the_event_loop() -> None:
+    """Above OFFLOAD_BODY_BYTES the decode, template and tokenizer run in the prep pool's threads."""
+    import threading
+
+    from wllm.entrypoints.openai.offload import OFFLOAD_BODY_BYTES
+
+    engine = ScriptedEngine(max_model_len=1 << 20)
+    threads: list[str] = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer.encode = lambda text, add_special_tokens=True: threads.append(  # type: ignore
+        threading.current_thread().name) or encode(text, add_special_tokens)
+    app = create_app(engine, ServerConfig(served_model_names=["tiny"]))
+    with TestClient(app) as c:
+        for size in (10, OFFLOAD_BODY_BYTES):
+            r = c.post(CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "z" * size}],
+                                   "max_tokens": 2})
+            assert r.status_code == 200
+    small, big = threads
+    assert not small.startswith("wllm-prep") and big.startswith("wllm-prep"), threads

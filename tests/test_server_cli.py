@@ -16,7 +16,9 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--rate-limit-rpm", "--rate-limit-tpm", "--cors-origin", "--log-format", "--otlp-endpoint",
          "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
          "--no-async-scheduling", "--engine-process", "--no-engine-process", "--stream-interval",
-         "--metrics-auth", "--no-metrics-auth"]
+         "--metrics-auth", "--no-metrics-auth", "--max-prompt-chars", "--timeout-keep-alive", "--timeout-header",
+         "--timeout-body", "--max-header-size", "--max-connections"]
+CONFIGURATION_MD = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]
@@ -29,6 +31,29 @@ def test_help_documents_every_flag() -> None:
     text = serve.format_help()
     for flag in FLAGS:
         assert flag in text, flag
+
+
+def test_connection_and_prompt_flags_have_documented_defaults() -> None:
+    from wllm.entrypoints.openai.connections import ConnectionLimits
+    from wllm.entrypoints.serve_cli import connection_limits
+
+    args = serve_args()
+    assert connection_limits(args) == ConnectionLimits(keep_alive_timeout=5.0, header_timeout=10.0,
+                                                       body_timeout=60.0, max_header_bytes=64 * 1024,
+                                                       max_connections=1024)
+    assert args.max_prompt_chars is None and args.max_body_size == 16.0
+    args = serve_args("--timeout-header", "2.5", "--timeout-body", "30", "--timeout-keep-alive", "1",
+                      "--max-header-size", "16", "--max-connections", "10", "--max-prompt-chars", "1000")
+    assert connection_limits(args) == ConnectionLimits(1.0, 2.5, 30.0, 16 * 1024, 10)
+    assert args.max_prompt_chars == 1000
+    docs = CONFIGURATION_MD.read_text(encoding="utf-8")
+    for flag in ("--max-prompt-chars", "--timeout-keep-alive", "--timeout-header", "--timeout-body",
+                 "--max-header-size", "--max-connections", "--max-body-size"):
+        assert f"`{flag}" in docs, flag
+    for bad in (["--timeout-header", "0"], ["--timeout-body", "-1"], ["--max-connections", "0"],
+                ["--max-prompt-chars", "0"], ["--max-body-size", "0"], ["--timeout-keep-alive", "nan"]):
+        with pytest.raises(SystemExit):
+            serve_args(*bad)
 
 
 def test_defaults_bind_localhost_8000_with_the_embedded_model() -> None:
