@@ -18,7 +18,7 @@ from litestar.testing import TestClient
 
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.config import ServerConfig
-from wllm.entrypoints.openai.decoding import MAX_JSON_DEPTH, json_depth_exceeds
+from wllm.entrypoints.openai.decoding import MAX_JSON_DEPTH, MAX_JSON_VALUES, json_bounds_exceeded, json_depth_exceeds
 from wllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -151,6 +151,26 @@ def _reference_depth(body: bytes) -> tuple[int, bool]:
     return deepest, False
 
 
+def _reference_commas(body: bytes) -> int:
+    """Commas outside strings, the way a JSON parser sees them (up to a stray backslash)."""
+    commas, inside, escaped = 0, False, False
+    for c in body.decode("latin-1"):
+        if inside:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                inside = False
+        elif c == "\\":
+            return commas
+        elif c == '"':
+            inside = True
+        elif c == ",":
+            commas += 1
+    return commas
+
+
 def test_depth_scan_matches_a_reference_parser() -> None:
     rng = random.Random(32)
     for _ in range(5000):
@@ -158,10 +178,29 @@ def test_depth_scan_matches_a_reference_parser() -> None:
         limit = rng.randint(0, 6)
         deepest, stray = _reference_depth(body)
         got = json_depth_exceeds(body, limit)
+        # The same scan cut into pieces of a few bytes (it carries its state across them) and told to
+        # count commas too.
+        chunk = rng.randint(1, 9)
+        pieces = json_bounds_exceeded(body, limit, None, chunk=chunk) == "depth"
         if stray:
             assert got or deepest <= limit, (body, limit)  # never lets a deeper prefix through
+            assert pieces or deepest <= limit, (body, limit, chunk)
         else:
-            assert got == (deepest > limit), (body, limit)
+            assert got == (deepest > limit) == pieces, (body, limit, chunk)
+            commas = _reference_commas(body)
+            values = rng.randint(0, 8)
+            verdict = json_bounds_exceeded(body, 10**6, values, chunk=chunk)
+            assert (verdict == "values") == (commas > values), (body, values, chunk)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_too_many_json_values_is_400(client: TestClient, path: str) -> None:
+    # A million small values would hold the GIL for a long decode; refused before it starts.
+    body = b'{"model": "tiny", "prompt": [' + b"7," * MAX_JSON_VALUES + b"7]}"
+    err = assert_400(post_raw(client, path, body), case=path)
+    assert err["code"] == "too_many_values" and str(MAX_JSON_VALUES) in err["message"]
+    at_limit = b'{"x": [' + b"7," * MAX_JSON_VALUES + b"7]}"  # exactly the limit: not refused for its size
+    assert_400(post_raw(client, path, at_limit), fragment="unknown field", case=path)
 
 
 # ------------------------------------------------------------------ item 5: unknown and unsupported fields

@@ -35,40 +35,83 @@ from wllm.entrypoints.openai.serving_common import (
 # limit (~1000), where msgspec's decoder gives up with a RecursionError.
 MAX_JSON_DEPTH = 128
 
-_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+# The most JSON values (counted as the commas between them, outside strings) a body may hold. Decoding
+# holds the GIL for the whole body (from 0.1 us per integer to 1 us per message object), so this bounds
+# how long one body keeps the event loop from running, worker thread or not. A prompt of 128K token ids
+# is 128K values.
+MAX_JSON_VALUES = 1 << 18
+
+_QUOTE, _BACKSLASH, _COMMA = ord('"'), ord("\\"), ord(",")
 _DEPTH_STEP = np.zeros(256, dtype=np.int8)
 _DEPTH_STEP[[ord("["), ord("{")]] = 1
 _DEPTH_STEP[[ord("]"), ord("}")]] = -1
+# Bytes per pass of the scan: some numpy steps (fancy indexing, masked assignment) hold the GIL, so
+# the scan of a large body is cut into pieces between which the event loop's thread gets to run.
+_SCAN_CHUNK = 1 << 20
 
 
 def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether `body` nests arrays/objects deeper than `limit`; brackets inside strings do not count.
+    """Whether `body` nests arrays/objects deeper than `limit`; brackets inside strings do not count."""
+    return json_bounds_exceeded(body, limit, None) == "depth"
 
-    Two `bytes.count` calls for a body with at most `limit` opening brackets (every usual request);
-    otherwise one vectorized pass (linear, no Python loop per byte): find the quotes that are not
-    escaped (an odd run of backslashes before a quote escapes it), mask the bytes inside strings,
-    and take the maximum of the running bracket depth. Invalid JSON gives some answer and then
-    fails in the decoder, whose depth it has bounded all the same.
+
+def json_bounds_exceeded(body: bytes, depth_limit: int = MAX_JSON_DEPTH, values_limit: int | None = MAX_JSON_VALUES,
+                         chunk: int = _SCAN_CHUNK) -> str | None:
+    """"depth" when `body` nests deeper than `depth_limit`, "values" when it has more than `values_limit`
+    commas outside strings, else None.
+
+    `bytes.count` calls decide for every usual request (no more opening brackets than the depth limit,
+    no more commas than the values limit). Otherwise a vectorized pass (no Python loop per byte), in
+    pieces of `chunk` bytes that carry the state across: find the quotes that are not escaped (an odd
+    run of backslashes before a quote escapes it), mask the bytes inside strings, take the running
+    bracket depth and count the commas. Invalid JSON gives some answer and then fails in the decoder,
+    whose depth it has bounded all the same.
     """
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False
+    check_depth = body.count(b"[") + body.count(b"{") > depth_limit
+    check_values = values_limit is not None and body.count(b",") > values_limit
+    if not (check_depth or check_values):
+        return None
     arr = np.frombuffer(body, dtype=np.uint8)
-    steps = _DEPTH_STEP[arr]
-    quotes = np.flatnonzero(arr == _QUOTE)
-    if quotes.size:
-        backslash = arr == _BACKSLASH
-        if backslash.any() and quotes[-1] > 0:
-            index = np.int32 if arr.size < 2**31 else np.int64  # half the temporaries of int64
-            pos = np.arange(arr.size, dtype=index)
+    depth = commas = 0
+    inside = 0  # 1 while the previous piece ended inside a string
+    carried = 0  # backslashes that ended the previous piece
+    for begin in range(0, arr.size, chunk):
+        a = arr[begin:begin + chunk]
+        quotes = np.flatnonzero(a == _QUOTE)
+        backslash = a == _BACKSLASH
+        plain = np.flatnonzero(~backslash)
+        if quotes.size and (carried or backslash.any()):
+            index = np.int32 if a.size < 2**31 else np.int64  # half the temporaries of int64
+            pos = np.arange(a.size, dtype=index)
             last_plain = np.maximum.accumulate(np.where(backslash, index(-1), pos))  # last non-backslash <= i
-            before = quotes - 1
-            run = np.where(quotes > 0, before - last_plain[np.maximum(before, 0)], 0)
+            before = np.maximum(quotes - 1, 0)
+            lp = last_plain[before]
+            run = np.where(quotes > 0, before - lp, 0)
+            run += np.where((quotes == 0) | (lp < 0), carried, 0)  # a run from the piece's start continues
             quotes = quotes[run % 2 == 0]
-        toggles = np.zeros(arr.size, dtype=np.int8)
-        toggles[quotes] = 1
-        inside = (np.cumsum(toggles, dtype=np.int32) & 1).astype(bool)
-        steps[inside] = 0
-    return int(np.cumsum(steps, dtype=np.int32).max()) > limit
+        carried = a.size - 1 - int(plain[-1]) if plain.size else carried + a.size
+        in_string = None
+        if quotes.size or inside:
+            toggles = np.zeros(a.size, dtype=np.int8)
+            toggles[quotes] = 1
+            in_string = ((np.cumsum(toggles, dtype=np.int32) + inside) & 1).astype(bool)
+            inside = int(in_string[-1])
+        if check_depth:
+            steps = _DEPTH_STEP[a]
+            if in_string is not None:
+                steps[in_string] = 0
+            running = np.cumsum(steps, dtype=np.int32)
+            if depth + int(running.max()) > depth_limit:
+                return "depth"
+            depth += int(running[-1])
+        if check_values:
+            is_comma = a == _COMMA
+            if in_string is not None:
+                is_comma &= ~in_string
+            commas += int(np.count_nonzero(is_comma))
+            if commas > values_limit:  # type: ignore[operator]
+                return "values"
+    return None
 
 
 def too_deep() -> APIError:
@@ -96,10 +139,18 @@ def validation_error(exc: msgspec.ValidationError) -> APIError:
     return APIError(400, f"Invalid request: {text}", param=where or None)
 
 
+def too_many_values() -> APIError:
+    return APIError(400, f"Invalid request: the request body holds more than {MAX_JSON_VALUES} JSON values",
+                    code="too_many_values")
+
+
 def decode_body(body: bytes, type_: Any) -> Any:
     """Decode a JSON request body into `type_` (strictly); raises a 400 APIError on any problem."""
-    if json_depth_exceeds(body):
+    exceeded = json_bounds_exceeded(body)
+    if exceeded == "depth":
         raise too_deep()
+    if exceeded == "values":
+        raise too_many_values()
     try:
         return msgspec.json.decode(body or b"null", type=type_, strict=True)
     except msgspec.ValidationError as exc:
