@@ -45,6 +45,7 @@ class PrepPool:
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
         self._executor: ThreadPoolExecutor | None = None
         self._release_pending = False
+        self._closed = False
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._executor is None:  # created on first use: most servers never see a large body
@@ -70,9 +71,11 @@ class PrepPool:
 
     def _schedule_release(self) -> None:
         self._release_pending = False
-        self._pool().submit(release_memory)
+        if not self._closed:
+            self._pool().submit(release_memory)
 
     def shutdown(self) -> None:
+        self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
