@@ -4,8 +4,9 @@ Litestar decodes a JSON body to plain Python objects and then converts it to the
 type with `msgspec.convert(..., strict=False)`, which turns `"10"` into `10`; and the untyped decode
 recurses once per nesting level until CPython's recursion limit (a 500). `StrictRequest` replaces
 `Request.json()`: it bounds the nesting depth and the number of values first, then decodes the body
-straight into the handler's request Struct with `strict=True` (in a worker thread for a large body). The Struct it returns passes through Litestar's own
-conversion unchanged. Every failure is a 400 with an OpenAI error body.
+straight into the handler's request Struct with `strict=True` (in a worker thread for a large body).
+The Struct it returns passes through Litestar's own conversion unchanged. Every failure is a 400 with
+an OpenAI error body.
 """
 
 from __future__ import annotations
