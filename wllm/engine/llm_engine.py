@@ -202,11 +202,13 @@ class LLMEngine:
         tokenizer: str | os.PathLike[str] | None = None,
         load_format: str = "auto",
         revision: str | None = None,
+        quantization: str | None = None,
         **engine_args: Any,
     ) -> LLMEngine:
-        """Load a model (HF folder or hub id, GGUF file, or dummy shape) and its tokenizer and
-        build an engine. `engine_args` are EngineConfig fields (block_size, max_num_seqs, device,
-        dtype, ...); device "auto" picks CUDA when available."""
+        """Load a model (HF folder or hub id, GGUF file, or dummy shape; `quantization` makes a dummy shape's
+        random weights GGUF blocks of that preset, e.g. "q4_k_m") and its tokenizer and build an engine.
+        `engine_args` are EngineConfig fields (block_size, max_num_seqs, device, dtype, ...); device "auto"
+        picks CUDA when available."""
         from wllm.model.loader import load_model
         from wllm.model.tokenizer.synthetic import synthetic_tokenizer
         from wllm.model.tokenizer.tokenizer import Tokenizer
@@ -216,7 +218,7 @@ class LLMEngine:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         loaded = load_model(model, dtype=config.dtype, device=device, load_format=load_format,
-                            revision=revision)
+                            revision=revision, quantization=quantization)
         tok_source = tokenizer or loaded.tokenizer_path
         if tok_source is not None:
             tok = Tokenizer.from_path(tok_source)

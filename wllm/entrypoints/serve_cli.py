@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from wllm.model.loader.presets import DUMMY_QUANTIZATIONS
+
 logger = logging.getLogger("wllm.serve")
 
 GiB = 1 << 30
@@ -64,6 +66,9 @@ def register(subparsers: Any) -> None:
     model.add_argument("--dtype", default="auto", help="auto, float16, bfloat16 or float32")
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                        help="how to read MODEL; dummy = random weights in MODEL's shape (benchmarks)")
+    model.add_argument("--quantization", default=None, choices=DUMMY_QUANTIZATIONS,
+                       help="with --load-format dummy: random GGUF blocks of this preset's per-tensor types "
+                            "(llama.cpp's mix for the _M presets)")
     model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a hub id")
     model.add_argument("--tokenizer", default=None,
                        help="tokenizer folder or GGUF file, when it is not MODEL's own "
@@ -182,7 +187,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     # The same loading path as wllm.LLM (tokenizer resolution, EOS ids from generation_config).
     kwargs = dict(
         tokenizer=args.tokenizer, load_format=args.load_format, revision=args.revision,
-        dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
+        quantization=args.quantization, dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,

@@ -19,9 +19,10 @@ import torch
 
 from wllm.model.config import ConfigError, ModelConfig, parse_dtype
 from wllm.model.layers.linear_method import select_kernels
-from wllm.model.loader.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_weights
+from wllm.model.loader.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_quantized_weights, init_dummy_weights
 from wllm.model.loader.errors import ModelLoadError
 from wllm.model.loader.hf_source import ResolvedSource, resolve_source
+from wllm.model.loader.presets import DUMMY_QUANTIZATIONS
 from wllm.model.loader.safetensors_loader import (
     count_tensors,
     find_safetensors_files,
@@ -96,18 +97,25 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     revision: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load a model from an HF folder, an HF hub id, a (split) GGUF file, or a dummy shape.
 
     `load_format="dummy"` takes a shape name ({shapes}) or any source with a config.json, and
-    fills random weights. Every failure raises ModelLoadError naming the file involved.
+    fills random weights; with `quantization` ({quants}) they are random GGUF blocks of that preset's
+    per-tensor types. Every failure raises ModelLoadError naming the file involved.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load_format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
     dev = resolve_device(device)
     text = os.fspath(source)
+    if quantization is not None and load_format != "dummy":
+        raise ModelLoadError(
+            f"quantization={quantization!r} makes random quantized weights and needs load_format='dummy'; "
+            "a GGUF file's tensors keep the types they were saved with"
+        )
     if load_format == "dummy":
-        loaded = _load_dummy(text, dtype, dev, revision)
+        loaded = _load_dummy(text, dtype, dev, revision, quantization)
     else:
         resolved = resolve_source(text, revision)
         if load_format == "gguf" and resolved.kind != "gguf":
@@ -124,7 +132,9 @@ def load_model(
 
 
 if load_model.__doc__:
-    load_model.__doc__ = load_model.__doc__.replace("{shapes}", ", ".join(sorted(DUMMY_CONFIGS)))
+    load_model.__doc__ = load_model.__doc__.replace("{shapes}", ", ".join(sorted(DUMMY_CONFIGS))).replace(
+        "{quants}", ", ".join(DUMMY_QUANTIZATIONS)
+    )
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
@@ -258,7 +268,8 @@ def _load_gguf(source: str, path: Path, dtype: str | torch.dtype, dev: torch.dev
     )
 
 
-def _load_dummy(source: str, dtype: str | torch.dtype, dev: torch.device, revision: str | None) -> LoadedModel:
+def _load_dummy(source: str, dtype: str | torch.dtype, dev: torch.device, revision: str | None,
+                quantization: str | None = None) -> LoadedModel:
     path: Path | None = None
     if source.lower() in DUMMY_CONFIGS:
         hf = dummy_config(source)
@@ -277,6 +288,8 @@ def _load_dummy(source: str, dtype: str | torch.dtype, dev: torch.device, revisi
     chosen = resolve_dtype(dtype, config, dev, is_gguf=False)
     model = _construct(config, dev, chosen, where)
     init_dummy_weights(model)
+    if quantization is not None:
+        init_dummy_quantized_weights(model, quantization, config.num_hidden_layers, config.tie_word_embeddings)
     return LoadedModel(
         model=model,
         config=config,
