@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 import signal
 import sys
 import threading
@@ -41,6 +42,24 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "12GiB", "12G" (binary), "12GB" (decimal), "512MiB" or a plain byte count."""
+    s = text.strip().lower().replace(" ", "")
+    match = re.fullmatch(r"([0-9.]*)([a-z]*)", s)
+    number, unit = match.groups() if match else ("", "?")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 12GiB, 12GB, 512MiB or bytes, got {text!r}")
+    return int(value * _SIZE_UNITS[unit])
 
 
 def register(subparsers: Any) -> None:
@@ -85,6 +104,9 @@ def register(subparsers: Any) -> None:
     eng.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                      help="fraction of GPU memory for weights + KV cache (CUDA)")
+    eng.add_argument("--gpu-memory-limit", type=parse_size, default=None, metavar="SIZE",
+                     help="most GPU memory wLLM may use, e.g. 12GiB (default: the whole card; the utilization "
+                          "applies to this cap)")
     eng.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on the CPU")
     eng.add_argument("--swap-space", type=float, default=1.0,
                      help="GiB of CPU memory to swap preempted requests to (0: always recompute)")
@@ -190,6 +212,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         quantization=args.quantization, dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_limit=args.gpu_memory_limit,
         kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_waiting=args.max_queue, policy=args.scheduling_policy,
