@@ -9,7 +9,12 @@ import sys
 from wllm.version import __version__
 
 # Subcommands provided by other modules: each exposes register(subparsers).
-_PLUGGED = ("wllm.entrypoints.serve_cli", "wllm.entrypoints.generate_cli", "wllm.entrypoints.bench_cli")
+_PLUGGED = (
+    "wllm.entrypoints.serve_cli",
+    "wllm.entrypoints.config_cli",
+    "wllm.entrypoints.generate_cli",
+    "wllm.entrypoints.bench_cli",
+)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -55,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # which flags were given, for the config file's precedence (wllm/settings.py)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -50,8 +50,18 @@ def register(subparsers: Any) -> None:
                     "metrics). Without MODEL, serves the embedded SmolLM2-135M-Instruct.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML file with serve settings (keys named like the flags); flags given here override it")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every `wllm serve` setting. The config file's keys are derived from these (wllm/settings.py),
+    so a flag added here is a config key too."""
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="HF model folder, GGUF file, HF hub id, or nothing for the embedded SmolLM2-135M-Instruct")
+                   help="HF model folder, GGUF file, HF hub id (REPO or REPO:FILE for a GGUF in a hub repo), "
+                        "or nothing for the embedded SmolLM2-135M-Instruct")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     net.add_argument("--port", type=int, default=8000, help="port to bind (0 picks a free one)")
@@ -130,7 +140,6 @@ def register(subparsers: Any) -> None:
     obs.add_argument("--otlp-endpoint", default=None,
                      help="send OpenTelemetry traces to this OTLP collector (http://host:4318 or grpc://host:4317); "
                           "needs `pip install opentelemetry-exporter-otlp`")
-    p.set_defaults(func=run_serve)
 
 
 def _resolve_device(device: str) -> str:
@@ -278,10 +287,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from wllm.entrypoints.openai.config import MiB, ServerConfig
     from wllm.observability.logs import setup_logging
     from wllm.observability.tracing import TracingSetupError, otlp_tracer_provider
+    from wllm.settings import ConfigError, apply, effective
 
+    try:  # flags over the --config file over the environment over the defaults
+        args = apply(args, effective(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     setup_logging(args.log_format, args.log_level.upper())
     try:
-        keys = collect_api_keys(args.api_key, args.api_key_file)
+        # The environment's keys are already in args.api_key when neither a flag nor the file set it.
+        keys = collect_api_keys(args.api_key, args.api_key_file, environ={})
         tracer_provider = otlp_tracer_provider(args.otlp_endpoint) if args.otlp_endpoint else None
         server_config = ServerConfig(
             served_model_names=_served_name(args.model, args.served_model_name),
