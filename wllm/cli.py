@@ -12,6 +12,7 @@ from wllm.version import __version__
 _PLUGGED = (
     "wllm.entrypoints.serve_cli",
     "wllm.entrypoints.config_cli",
+    "wllm.entrypoints.service_cli",
     "wllm.entrypoints.generate_cli",
     "wllm.entrypoints.bench_cli",
 )

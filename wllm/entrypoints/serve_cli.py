@@ -281,8 +281,38 @@ def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
     return Server(config)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Entry point of `wllm serve`; returns the process exit status."""
+class ServeControl:
+    """Stops a `run_serve` that runs in another thread, the way SIGTERM stops one in the main thread:
+    no new connections, in-flight requests drain for `--shutdown-timeout`, the engine stops. The
+    Windows service uses it (a service gets its stop request from the service manager, not a signal)."""
+
+    def __init__(self, log_handlers: tuple[logging.Handler, ...] = ()) -> None:
+        self.log_handlers = log_handlers  # added to wLLM's and uvicorn's loggers (the service's Event Log)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._server: Any = None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def attach(self, server: Any) -> None:
+        with self._lock:
+            self._server = server
+            if self._stopping:
+                server.should_exit = True
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            if self._server is not None:
+                server = self._server
+                server.should_exit = True  # what uvicorn's own signal handler sets: a graceful shutdown
+
+
+def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> int:
+    """Entry point of `wllm serve`; returns the process exit status (0 after a graceful stop, 1 when the
+    model or the server fails, 2 for bad settings)."""
     from wllm.entrypoints.openai.auth import APIKeyError, collect_api_keys
     from wllm.entrypoints.openai.config import MiB, ServerConfig
     from wllm.observability.logs import setup_logging
@@ -294,7 +324,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(args.log_format, args.log_level.upper())
+    setup_logging(args.log_format, args.log_level.upper(), extra_handlers=control.log_handlers if control else ())
     try:
         # The environment's keys are already in args.api_key when neither a flag nor the file set it.
         keys = collect_api_keys(args.api_key, args.api_key_file, environ={})
@@ -317,6 +347,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     server_config.model_root = source
+    if control is not None and control.stopping:  # asked to stop while the model loaded
+        engine.shutdown(close_engine=True)
+        logger.info("stopped before serving")
+        return 0
 
     from wllm.entrypoints.openai.app import create_app
 
@@ -330,6 +364,8 @@ def run_serve(args: argparse.Namespace) -> int:
               f"(API keys: {auth}; Ctrl+C to stop)", flush=True)
 
     server = _make_server(app, args, on_ready)
+    if control is not None:
+        control.attach(server)
     try:
         server.run()
     finally:
