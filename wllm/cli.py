@@ -59,11 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=_cmd_doctor)
 
     pull = sub.add_parser(
-        "pull", help="download a model from the Hugging Face Hub into its cache (default: the embedded SmolLM2)",
+        "pull",
+        help="download a model from the Hugging Face Hub into its cache (default: the embedded SmolLM2)",
         description="Download a model into the Hugging Face cache, so `wllm serve MODEL` then starts offline. "
-                    "MODEL: org/name (its safetensors, or its GGUF: Q4_K_M when it has several), "
-                    "org/name:FILE.gguf, or org/name:TAG (a quantization such as Q8_0). Without MODEL: the "
-                    "embedded SmolLM2-135M-Instruct.")
+        "MODEL: org/name (its safetensors, or its GGUF: Q4_K_M when it has several), "
+        "org/name:FILE.gguf, or org/name:TAG (a quantization such as Q8_0). Without MODEL: the "
+        "embedded SmolLM2-135M-Instruct.",
+    )
     pull.add_argument("model", nargs="?", default=None, metavar="MODEL")
     pull.add_argument("--revision", default=None, help="branch, tag or commit")
     pull.set_defaults(func=_cmd_pull)
