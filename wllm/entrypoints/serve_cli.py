@@ -71,8 +71,18 @@ def register(subparsers: Any) -> None:
                     "metrics). Without MODEL, serves the embedded SmolLM2-135M-Instruct.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML file with serve settings (keys named like the flags); flags given here override it")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every `wllm serve` setting. The config file's keys are derived from these (wllm/settings.py),
+    so a flag added here is a config key too."""
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="HF model folder, GGUF file, HF hub id, or nothing for the embedded SmolLM2-135M-Instruct")
+                   help="HF model folder, GGUF file, HF hub id (REPO or REPO:FILE for a GGUF in a hub repo), "
+                        "or nothing for the embedded SmolLM2-135M-Instruct")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     net.add_argument("--port", type=int, default=8000, help="port to bind (0 picks a free one)")
@@ -157,7 +167,6 @@ def register(subparsers: Any) -> None:
     obs.add_argument("--otlp-endpoint", default=None,
                      help="send OpenTelemetry traces to this OTLP collector (http://host:4318 or grpc://host:4317); "
                           "needs `pip install opentelemetry-exporter-otlp`")
-    p.set_defaults(func=run_serve)
 
 
 def _resolve_device(device: str) -> str:
@@ -300,16 +309,53 @@ def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
     return Server(config)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Entry point of `wllm serve`; returns the process exit status."""
+class ServeControl:
+    """Stops a `run_serve` that runs in another thread, the way SIGTERM stops one in the main thread:
+    no new connections, in-flight requests drain for `--shutdown-timeout`, the engine stops. The
+    Windows service uses it (a service gets its stop request from the service manager, not a signal)."""
+
+    def __init__(self, log_handlers: tuple[logging.Handler, ...] = ()) -> None:
+        self.log_handlers = log_handlers  # added to wLLM's and uvicorn's loggers (the service's Event Log)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._server: Any = None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def attach(self, server: Any) -> None:
+        with self._lock:
+            self._server = server
+            if self._stopping:
+                server.should_exit = True
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            if self._server is not None:
+                server = self._server
+                server.should_exit = True  # what uvicorn's own signal handler sets: a graceful shutdown
+
+
+def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> int:
+    """Entry point of `wllm serve`; returns the process exit status (0 after a graceful stop, 1 when the
+    model or the server fails, 2 for bad settings)."""
     from wllm.entrypoints.openai.auth import APIKeyError, collect_api_keys
     from wllm.entrypoints.openai.config import MiB, ServerConfig
     from wllm.observability.logs import setup_logging
     from wllm.observability.tracing import TracingSetupError, otlp_tracer_provider
+    from wllm.settings import ConfigError, apply, effective
 
-    setup_logging(args.log_format, args.log_level.upper())
+    try:  # flags over the --config file over the environment over the defaults
+        args = apply(args, effective(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_format, args.log_level.upper(), extra_handlers=control.log_handlers if control else ())
     try:
-        keys = collect_api_keys(args.api_key, args.api_key_file)
+        # The environment's keys are already in args.api_key when neither a flag nor the file set it.
+        keys = collect_api_keys(args.api_key, args.api_key_file, environ={})
         tracer_provider = otlp_tracer_provider(args.otlp_endpoint) if args.otlp_endpoint else None
         server_config = ServerConfig(
             served_model_names=_served_name(args.model, args.served_model_name),
@@ -329,6 +375,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     server_config.model_root = source
+    if control is not None and control.stopping:  # asked to stop while the model loaded
+        engine.shutdown(close_engine=True)
+        logger.info("stopped before serving")
+        return 0
 
     from wllm.entrypoints.openai.app import create_app
 
@@ -342,6 +392,8 @@ def run_serve(args: argparse.Namespace) -> int:
               f"(API keys: {auth}; Ctrl+C to stop)", flush=True)
 
     server = _make_server(app, args, on_ready)
+    if control is not None:
+        control.attach(server)
     try:
         server.run()
     finally:
