@@ -12,7 +12,7 @@ const history = {
   running: [], waiting: [], tps: [], kvUsed: [], kvCached: [], kvTotal: [],
   ttft50: [], ttft99: [], itl50: [], itl99: [],
 };
-let previous = null; // the last stats, for the tokens/s between two reads
+const recent = []; // [time, generation_tokens] of the last polls, for tokens/s over about 3 s
 let visible = false;
 let onStatus = () => {};
 export let latest = null;
@@ -31,11 +31,13 @@ function latencies(p) {
 }
 
 function record(stats) {
-  let tps = stats.tokens_per_second;
-  if (previous && stats.time > previous.time) {
-    tps = Math.max(0, (stats.generation_tokens - previous.generation_tokens) / (stats.time - previous.time));
-  }
-  previous = stats;
+  // Tokens/s from the server's counter over about three seconds: per poll it would jump whenever a
+  // poll is answered late, and the server's own figure averages over ten.
+  recent.push([stats.time, stats.generation_tokens]);
+  while (recent.length > 2 && stats.time - recent[1][0] >= 3) recent.shift();
+  const [t0, g0] = recent[0];
+  const tps = stats.time > t0
+    ? Math.max(0, (stats.generation_tokens - g0) / (stats.time - t0)) : stats.tokens_per_second;
   latest = { ...stats, tokensPerSecondNow: tps };
   const kv = stats.kv_cache;
   push("running", stats.requests.running);
