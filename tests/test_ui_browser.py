@@ -163,9 +163,14 @@ def test_asks_for_the_key_then_chats_with_a_streamed_markdown_answer(driver: Web
     wait_for("the engine status", lambda: by_id(d, "server-status").get_attribute("data-state") == "ok", 30)
 
     by_id(d, "new-chat").click()
+    # Bad input is refused in the page with a message saying what is allowed; nothing is sent.
+    set_value(d, "temperature", "5")
+    by_id(d, "prompt").send_keys("What is the capital of France?")
+    by_id(d, "send").click()
+    assert "temperature must be a number from 0 to 2" in by_id(d, "chat-error").text
+    assert not d.find_elements(By.CSS_SELECTOR, "#messages .message")
     set_value(d, "temperature", "0")
     set_value(d, "max-tokens", "32")
-    by_id(d, "prompt").send_keys("What is the capital of France?")
     by_id(d, "send").click()
     state, text = wait_for("the reply", lambda: (r := last_reply(d))[0] in ("done", "error", "stopped") and r)
     assert state == "done", text
