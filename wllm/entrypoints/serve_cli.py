@@ -89,6 +89,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; those "
                           "still running then end with a server_shutdown error")
+    net.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
+                     help="serve the web UI (chat playground, live engine view) at /; --no-ui: / answers 404")
 
     model = p.add_argument_group("model")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
@@ -361,7 +363,7 @@ def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> 
             served_model_names=_served_name(args.model, args.served_model_name),
             chat_template=_chat_template(args.chat_template),
             api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
-            cors_origins=args.cors_origin, metrics_auth=args.metrics_auth,
+            cors_origins=args.cors_origin, metrics_auth=args.metrics_auth, ui=args.ui,
             max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
         server_config.validate()
     except (APIKeyError, TracingSetupError, ValueError) as exc:
@@ -388,8 +390,9 @@ def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> 
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         shown = f"[{shown}]" if ":" in shown else shown
         auth = "on" if keys else "off"
+        ui = f"web UI: http://{shown}:{port}/; " if server_config.ui else ""
         print(f"wLLM ready: serving {server_config.served_model_names[0]} at http://{shown}:{port}/v1 "
-              f"(API keys: {auth}; Ctrl+C to stop)", flush=True)
+              f"(API keys: {auth}; {ui}Ctrl+C to stop)", flush=True)
 
     server = _make_server(app, args, on_ready)
     if control is not None:
