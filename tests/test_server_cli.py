@@ -17,7 +17,7 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
          "--no-async-scheduling", "--engine-process", "--no-engine-process", "--stream-interval",
          "--metrics-auth", "--no-metrics-auth", "--max-prompt-chars", "--timeout-keep-alive", "--timeout-header",
-         "--timeout-body", "--max-header-size", "--max-connections"]
+         "--timeout-body", "--max-header-size", "--max-connections", "--ui", "--no-ui"]
 CONFIGURATION_MD = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
