@@ -109,67 +109,81 @@ def chat_logprobs(ctx: ServerContext, steps: list[StepLogprobs], top_n: int) -> 
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request[Any, Any, Any],
-                                 record: RequestRecord) -> Response[Any] | Stream:
-    ctx.check_model(req.model)
-    ctx.check_healthy()
-    reject_unsupported(req)
-    if req.functions is not None or req.function_call is not None:
-        field = "functions" if req.functions is not None else "function_call"
-        raise bad_request(f"{field} (the deprecated functions API) is not supported; send tools", param=field)
-    if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
-        what = "'required'" if req.tool_choice == "required" else "a named tool"
-        raise bad_request(f"tool_choice {what} is not supported yet: this server does not parse tool calls "
-                          "out of the reply (tool_choice 'auto' and 'none' are)", param="tool_choice")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported by this "
-                          "server; only 'text' is", param="response_format")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-    top_n = req.top_logprobs or 0
-    prompt_ids = chat_prompt_ids(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(len(prompt_ids), requested, ctx.engine.max_model_len, "messages")
-    params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None)
-    request_id = new_id("chatcmpl")
-    record.request_id = request_id
-    run = EngineRun(ctx, record, prompt_ids, params, request_id, priority=req.priority, cache_salt=req.cache_salt)
-    model, created = ctx.model_name, int(time.time())
+class ChatStart:
+    """A chat request checked, templated and handed to an `EngineRun`: the one generation path.
 
-    if not req.stream:
-        out = await unless_disconnected(run.final(), request.receive)
+    /v1/chat/completions encodes what it produces as OpenAI chunks; the Responses and Messages APIs
+    (serving_responses.py, serving_messages.py) translate their requests into a `ChatCompletionRequest`,
+    start it here and translate the chat response or chunks back, so templates, sampling, stops, tool
+    parsing, metrics, logs and cancellation are the same for all of them.
+    """
+
+    def __init__(self, ctx: ServerContext, req: ChatCompletionRequest, request: Request[Any, Any, Any],
+                 record: RequestRecord, request_id: str | None = None) -> None:
+        ctx.check_model(req.model)
+        ctx.check_healthy()
+        reject_unsupported(req)
+        if req.functions is not None or req.function_call is not None:
+            field = "functions" if req.functions is not None else "function_call"
+            raise bad_request(f"{field} (the deprecated functions API) is not supported; send tools", param=field)
+        if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+            what = "'required'" if req.tool_choice == "required" else "a named tool"
+            raise bad_request(f"tool_choice {what} is not supported yet: this server does not parse tool calls "
+                              "out of the reply (tool_choice 'auto' and 'none' are)", param="tool_choice")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported by this "
+                              "server; only 'text' is", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self.ctx, self.req, self.request = ctx, req, request
+        self.top_n = req.top_logprobs or 0
+        self.prompt_ids = chat_prompt_ids(ctx, req.messages, req.tools, req.add_generation_prompt,
+                                          req.chat_template_kwargs)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = resolve_max_tokens(len(self.prompt_ids), requested, ctx.engine.max_model_len, "messages")
+        self.params = build_sampling_params(ctx, req, max_tokens=max_tokens,
+                                            logprobs=self.top_n if req.logprobs else None)
+        self.request_id = request_id or new_id("chatcmpl")
+        record.request_id = self.request_id
+        self.run = EngineRun(ctx, record, self.prompt_ids, self.params, self.request_id, priority=req.priority,
+                             cache_salt=req.cache_salt)
+        self.record = record
+        self.model, self.created = ctx.model_name, int(time.time())
+
+    async def response(self) -> ChatCompletionResponse:
+        """Run to the end (cancelled if the client disconnects first); the whole chat completion."""
+        ctx, req = self.ctx, self.req
+        out = await unless_disconnected(self.run.final(), self.request.receive)
         choices = [
             ChatCompletionChoice(
                 index=c.index,
                 message=ChatResponseMessage(role="assistant", content=c.text),
-                logprobs=chat_logprobs(ctx, c.logprobs or [], top_n) if req.logprobs else None,
+                logprobs=chat_logprobs(ctx, c.logprobs or [], self.top_n) if req.logprobs else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
             for c in out.outputs
         ]
-        body = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
                                       usage=usage_from([out]), system_fingerprint=SYSTEM_FINGERPRINT)
-        return Response(body)
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    outputs = run.outputs()
-    # Wait for the first output before sending headers so a full queue or a dead engine is a real 503.
-    first = await unless_disconnected(outputs.__anext__(), request.receive)
+    async def chunks(self) -> AsyncIterator[ChatCompletionChunk]:
+        """The stream's chunks. Awaits the first engine output before returning, so that a full queue or a
+        dead engine is still a plain 503; after that an APIError comes out of the iterator (the caller
+        renders it in its API's error event)."""
+        ctx, req, params = self.ctx, self.req, self.params
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        outputs = self.run.outputs()
+        first = await unless_disconnected(outputs.__anext__(), self.request.receive)
 
-    def chunk(choices: list[ChatChunkChoice]) -> bytes:
-        c = ChatCompletionChunk(id=request_id, created=created, model=model, system_fingerprint=SYSTEM_FINGERPRINT,
-                                choices=choices)
-        if include_usage:
-            c.usage = None
-        return sse_event(c)
+        def chunk(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+            c = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                    system_fingerprint=SYSTEM_FINGERPRINT, choices=choices)
+            if include_usage:
+                c.usage = None
+            return c
 
-    async def events() -> AsyncIterator[bytes]:
-        done = [False] * params.n
-        for i in range(params.n):
-            yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-
-        def deltas(out: RequestDelta) -> list[bytes]:
+        def deltas(out: RequestDelta, done: list[bool]) -> list[ChatCompletionChunk]:
             frames = []
             for c in out.outputs:
                 i = c.index
@@ -180,7 +194,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                 if not text and not steps and c.finish_reason is None:
                     continue
                 if text or steps:
-                    lps = chat_logprobs(ctx, steps, top_n) if req.logprobs and steps else None
+                    lps = chat_logprobs(ctx, steps, self.top_n) if req.logprobs and steps else None
                     frames.append(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=text), logprobs=lps)]))
                 if c.finish_reason is not None:
                     # As OpenAI does: the choice ends with its own chunk, an empty delta and the reason.
@@ -189,26 +203,49 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                     done[i] = True
             return frames
 
+        async def gen() -> AsyncIterator[ChatCompletionChunk]:
+            done = [False] * params.n
+            try:
+                for i in range(params.n):
+                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                for c in deltas(first, done):
+                    yield c
+                async for out in outputs:
+                    for c in deltas(out, done):
+                        yield c
+                if include_usage:
+                    yield ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                              system_fingerprint=SYSTEM_FINGERPRINT, choices=[],
+                                              usage=usage_of([self.run]))
+            finally:
+                await outputs.aclose()
+
+        return gen()
+
+    async def cleanup(self) -> None:
+        """A stream's background task: abort the engine request if the client went away mid-stream."""
+        if not self.run.finished:
+            await self.run.abort()
+            self.record.error = self.record.error or "client disconnected"
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request[Any, Any, Any],
+                                 record: RequestRecord) -> Response[Any] | Stream:
+    start = ChatStart(ctx, req, request, record)
+    if not req.stream:
+        return Response(await start.response())
+    chunks = await start.chunks()
+
+    async def events() -> AsyncIterator[bytes]:
         try:
-            for frame in deltas(first):
-                yield frame
-            async for out in outputs:
-                for frame in deltas(out):
-                    yield frame
-            if include_usage:
-                yield sse_event(ChatCompletionChunk(id=request_id, created=created, model=model,
-                                                    system_fingerprint=SYSTEM_FINGERPRINT, choices=[],
-                                                    usage=usage_of([run])))
+            async for c in chunks:
+                yield sse_event(c)
         except APIError as exc:
             # Headers are gone already; OpenAI clients surface an `error` event as an APIError.
             yield sse_event(exc.body())
         finally:
-            await outputs.aclose()
+            await chunks.aclose()  # type: ignore[attr-defined]
         yield DONE
 
-    async def cleanup() -> None:
-        if not run.finished:  # the client went away mid-stream
-            await run.abort()
-            record.error = record.error or "client disconnected"
-
-    return Stream(events(), media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(cleanup))
+    return Stream(events(), media_type="text/event-stream", headers=SSE_HEADERS,
+                  background=BackgroundTask(start.cleanup))
