@@ -10,11 +10,14 @@ can feed them recorded chat outputs as plain JSON.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
+from wllm.entrypoints.openai.decoding import validation_error
 from wllm.entrypoints.openai.errors import APIError
+
+T = TypeVar("T")
 
 
 class ViewFunction(msgspec.Struct, kw_only=True):
@@ -97,3 +100,13 @@ def renamed(exc: APIError, names: dict[str, str]) -> APIError:
         if old not in _PARAM_ONLY:
             message = re.sub(rf"\b{re.escape(old)}\b", new, message)
     return APIError(exc.status_code, message, type=exc.type, param=param, code=exc.code, headers=exc.headers)
+
+
+def convert_at(raw: Any, type_: type[T], where: str) -> T:
+    """`raw` (a JSON object of the request) as `type_`, strictly; a 400 naming the field under `where`."""
+    try:
+        return msgspec.convert(raw, type_, strict=True)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        text = text.replace("`$", f"`$.{where}") if " - at `$" in text else f"{text} - at `$.{where}`"
+        raise validation_error(msgspec.ValidationError(text)) from None

@@ -20,8 +20,7 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from wllm.entrypoints.openai.chat_view import ViewChat, ViewMessage, ViewUsage, renamed, view
-from wllm.entrypoints.openai.decoding import validation_error
+from wllm.entrypoints.openai.chat_view import ViewChat, ViewMessage, ViewUsage, convert_at, renamed, view
 from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, ErrorResponse, bad_request
 from wllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from wllm.entrypoints.openai.protocol import ContentPart as ChatContentPart
@@ -228,10 +227,7 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
                 "server; only custom tools (name, description, input_schema) are",
                 param=f"tools[{i}].type",
             )
-        try:
-            tool = msgspec.convert(raw, CustomTool, strict=True)
-        except msgspec.ValidationError as exc:
-            raise validation_error(msgspec.ValidationError(str(exc).replace("`$", f"`$.tools[{i}]"))) from None
+        tool = convert_at(raw, CustomTool, f"tools[{i}]")
         function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             function["description"] = tool.description

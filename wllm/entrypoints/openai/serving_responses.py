@@ -25,8 +25,7 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from wllm.entrypoints.openai.chat_view import ViewChat, ViewMessage, ViewUsage, renamed, view
-from wllm.entrypoints.openai.decoding import validation_error
+from wllm.entrypoints.openai.chat_view import ViewChat, ViewMessage, ViewUsage, convert_at, renamed, view
 from wllm.entrypoints.openai.errors import APIError, bad_request
 from wllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from wllm.entrypoints.openai.protocol import ContentPart as ChatContentPart
@@ -164,10 +163,7 @@ def parse_input(value: str | list[dict[str, Any]]) -> list[InputItem]:
                 f"{', '.join(INPUT_ITEM_TYPES)})",
                 param=f"input[{i}].type",
             )
-        try:
-            items.append(msgspec.convert(raw, cls, strict=True))
-        except msgspec.ValidationError as exc:
-            raise validation_error(msgspec.ValidationError(str(exc).replace("`$", f"`$.input[{i}]"))) from None
+        items.append(convert_at(raw, cls, f"input[{i}]"))
     return items
 
 
@@ -258,10 +254,7 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
                 f"tools[{i}]: tools of type {kind!r} are not supported by this server; only 'function' tools are",
                 param=f"tools[{i}].type",
             )
-        try:
-            tool = msgspec.convert(raw, FunctionTool, strict=True)
-        except msgspec.ValidationError as exc:
-            raise validation_error(msgspec.ValidationError(str(exc).replace("`$", f"`$.tools[{i}]"))) from None
+        tool = convert_at(raw, FunctionTool, f"tools[{i}]")
         function: dict[str, Any] = {"name": tool.name}
         for field in ("description", "parameters", "strict"):
             if getattr(tool, field) is not None:
