@@ -363,6 +363,13 @@ def test_malformed_and_oversized_bodies_are_anthropic_errors() -> None:
         assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
 
 
+def test_wrong_method_is_an_anthropic_error(client: TestClient) -> None:
+    r = client.get("/v1/messages")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "error" in client.get("/v1/chat/completions").json()  # OpenAI's routes keep OpenAI's shape
+    assert client.get("/v1/chat/completions").json()["error"]["code"] == "method_not_allowed"
+
+
 def test_x_api_key_and_bearer_auth() -> None:
     with TestClient(create_app(ScriptedEngine(), ServerConfig(api_keys=["sk-a"]))) as c:
         body = {"model": "default", "max_tokens": 5, "messages": HI}

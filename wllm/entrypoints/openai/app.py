@@ -45,7 +45,7 @@ from wllm.entrypoints.openai.rate_limit import RateLimited
 from wllm.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from wllm.entrypoints.openai.serving_common import STATE_KEY, ClientDisconnected, RequestRecord, ServerContext
 from wllm.entrypoints.openai.serving_completions import create_completion
-from wllm.entrypoints.openai.serving_messages import ANTHROPIC_HANDLERS, count_tokens, create_message
+from wllm.entrypoints.openai.serving_messages import ANTHROPIC_HANDLERS, by_path, count_tokens, create_message
 from wllm.entrypoints.openai.serving_responses import ResponseStore, create_response, not_found
 from wllm.observability.metrics import CONTENT_TYPE, ServerMetrics
 from wllm.observability.tracing import RequestTracer
@@ -266,7 +266,7 @@ def create_app(
                  route_handlers=[chat_completions, completions, list_models, retrieve_model, tokenize, detokenize,
                                  responses, retrieve_response, delete_response, messages, messages_count_tokens,
                                  *_unprefixed_aliases()])
-    handlers = dict(EXCEPTION_HANDLERS)
+    handlers = {cls: by_path(handler) for cls, handler in EXCEPTION_HANDLERS.items()}
     handlers[ClientDisconnected] = _disconnected
     cors = None
     if config.cors_origins:

@@ -115,6 +115,21 @@ def _anthropic(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) 
 
 # Route-level exception handlers of the Messages routes (the guard's 401 and 429 pass through them too).
 ANTHROPIC_HANDLERS: dict[type[Exception], Any] = {cls: _anthropic(h) for cls, h in EXCEPTION_HANDLERS.items()}
+MESSAGES_PATHS = ("/v1/messages", "/messages")
+
+
+def by_path(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) -> Callable[..., Response[Any]]:
+    """An app-level handler that answers Anthropic's shape under the Messages paths: errors raised before
+    any route is matched (a 405 for the wrong method) never reach the routes' own handlers."""
+    anthropic = _anthropic(handler)
+
+    def handle(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+        path = request.scope["path"]
+        if any(path == p or path.startswith(p + "/") for p in MESSAGES_PATHS):
+            return anthropic(request, exc)
+        return handler(request, exc)
+
+    return handle
 
 
 # ---------------------------------------------------------------- request -> chat
