@@ -5,8 +5,10 @@ translations onto the one chat path."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -153,6 +155,17 @@ def test_metrics_and_disconnect(server: ServerProcess) -> None:
     key = "wllm_requests_total[('endpoint', '/v1/messages'), ('status', '200')]"
     assert m[key] > before.get(key, 0.0)
     assert "/v1/responses" in str(list(m))
+
+
+def test_readme_examples_run(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's SDK example (chat, completions, responses.create, the Anthropic client), as written but
+    for this server's address and key."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "responses.create" in b]
+    assert "messages.create" in code and 'model = "SmolLM2-135M-Instruct"' in code
+    code = code.replace("http://127.0.0.1:8000", server.root).replace('api_key="unused"', f'api_key="{KEY}"')
+    exec(compile(code, "README.md", "exec"), {})
+    assert "Paris" in capsys.readouterr().out
 
 
 @pytest.mark.skip(reason=NEEDS_TOOLS)
