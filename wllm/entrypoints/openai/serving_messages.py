@@ -95,9 +95,10 @@ def _anthropic(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) 
 
     def handle(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         response = handler(request, exc)
+        status = response.status_code or 500  # the app's handlers always set one
         err = msgspec.json.decode(response.content, type=ErrorResponse).error
         api = APIError(
-            response.status_code,
+            status,
             err.message,
             type=err.type,
             param=err.param,
@@ -105,7 +106,7 @@ def _anthropic(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) 
         )
         return Response(
             content=msgspec.json.encode(error_body(api)),
-            status_code=response.status_code,
+            status_code=status,
             media_type="application/json",
             headers=dict(response.headers),
         )
