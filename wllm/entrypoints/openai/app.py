@@ -1,4 +1,4 @@
-"""The Litestar application: routes, auth and rate-limit guard, CORS, body limit, error bodies.
+"""The Litestar application: routes, auth and rate-limit guard, CORS, body limit, error bodies, the web UI.
 
 `create_app(engine, config)` builds an app around anything that satisfies `EngineClient`; the
 `wllm serve` command passes the real AsyncEngine, tests pass a scripted fake.
@@ -32,6 +32,7 @@ from wllm.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EngineStatsResponse,
     HealthResponse,
     ModelCard,
     ModelList,
@@ -47,6 +48,7 @@ from wllm.entrypoints.openai.serving_common import STATE_KEY, ClientDisconnected
 from wllm.entrypoints.openai.serving_completions import create_completion
 from wllm.entrypoints.openai.serving_messages import ANTHROPIC_HANDLERS, by_path, count_tokens, create_message
 from wllm.entrypoints.openai.serving_responses import ResponseStore, create_response, not_found
+from wllm.entrypoints.openai.serving_stats import engine_stats
 from wllm.observability.metrics import CONTENT_TYPE, ServerMetrics
 from wllm.observability.tracing import RequestTracer
 from wllm.version import __version__
@@ -78,7 +80,8 @@ def _check_api_key(connection: ASGIConnection[Any, Any, Any, Any], ctx: ServerCo
 
 
 async def metrics_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """With `--metrics-auth`, /metrics needs an API key like the API does (no rate limit: scrapers poll)."""
+    """With `--metrics-auth`, /metrics and /v1/engine/stats need an API key like the API does (no rate limit:
+    scrapers and the web UI poll)."""
     ctx = _ctx(connection)
     if ctx.config.metrics_auth:
         _check_api_key(connection, ctx, _record(connection))
@@ -213,6 +216,12 @@ async def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+@get("/v1/engine/stats", summary="Engine gauges, counters and recent latency percentiles (JSON)",
+     guards=[metrics_guard])
+async def engine_stats_endpoint(request: Request[Any, Any, Any]) -> EngineStatsResponse:
+    return engine_stats(_ctx(request))
+
+
 @get("/version", summary="Server version")
 async def version() -> VersionResponse:
     return VersionResponse(version=__version__)
@@ -272,8 +281,13 @@ def create_app(
     if config.cors_origins:
         cors = CORSConfig(allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"],
                           expose_headers=["Retry-After"])
+    routes: list[Any] = [api, health, metrics_endpoint, engine_stats_endpoint, version, openapi_json]
+    if config.ui:
+        from wllm.entrypoints.ui import ui_route_handlers
+
+        routes.extend(ui_route_handlers())
     app = Litestar(
-        route_handlers=[api, health, metrics_endpoint, version, openapi_json],
+        route_handlers=routes,
         exception_handlers=handlers,
         middleware=[DefineMiddleware(ObservabilityMiddleware, ctx=ctx)],
         cors_config=cors,
