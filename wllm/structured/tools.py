@@ -100,8 +100,15 @@ def _is_special(ref: str) -> bool:
     return ref.startswith("<[")
 
 
-def tool_grammar(fmt: ToolFormat, functions: Sequence[FunctionSpec], mode: ToolChoiceMode, *, parallel: bool = True,
-                 reasoning: ReasoningSpec | None = None, token_ref: TokenRef = literal) -> str | None:
+def tool_grammar(
+    fmt: ToolFormat,
+    functions: Sequence[FunctionSpec],
+    mode: ToolChoiceMode,
+    *,
+    parallel: bool = True,
+    reasoning: ReasoningSpec | None = None,
+    token_ref: TokenRef = literal,
+) -> str | None:
     """The llguidance grammar for `functions` under `mode`; None where nothing needs enforcing (`none` in
     the generic format, whose tools are not shown to the model at all)."""
     if mode != "none" and not functions:
@@ -140,9 +147,12 @@ def _reasoning_prefix(reasoning: ReasoningSpec | None, token_ref: TokenRef, rule
 def _body(fmt: ToolFormat, mode: ToolChoiceMode, parallel: bool, token_ref: TokenRef, rules: list[str]) -> str | None:
     if fmt.layout == "tagged":
         trigger = token_ref(fmt.trigger)
-        rest = fmt.call_open[len(fmt.trigger):]
-        wrapped = f"{trigger} {literal(rest)} call {literal(fmt.call_close)}" if rest else \
-            f"{trigger} call {literal(fmt.call_close)}"
+        rest = fmt.call_open[len(fmt.trigger) :]
+        wrapped = (
+            f"{trigger} {literal(rest)} call {literal(fmt.call_close)}"
+            if rest
+            else f"{trigger} call {literal(fmt.call_close)}"
+        )
         if mode == "required":
             rules.append(f"block: {wrapped}")
             return f"block ({literal(fmt.separator)} block)*" if parallel else "block"

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from wllm.entrypoints.openai.chat_tools import (
+    ChatPlan,
+    ReplyParser,
+    assemble,
+    delta_messages,
+    plan_tools,
+    template_text,
+    token_ref_for,
+)
 from wllm.entrypoints.openai.errors import APIError, bad_request
 from wllm.entrypoints.openai.protocol import (
     ChatChunkChoice,
@@ -74,7 +85,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         for field in ("name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"):
             value = getattr(msg, field)
             if value is not None:
-                item[field] = value
+                item[field] = msgspec.to_builtins(value) if field == "tool_calls" else value
         out.append(item)
     return out
 
@@ -82,21 +93,61 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def chat_prompt_ids(ctx: ServerContext, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> list[int]:
     """Render the chat template and tokenize; template errors are the client's (400), with their text."""
+    return render_chat(ctx, template_messages(messages), tools, add_generation_prompt, template_kwargs)[0]
+
+
+def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> tuple[list[int], str | None]:
+    """The prompt's token ids and its text (None when the template gave token ids)."""
     tok = ctx.engine.tokenizer
     try:
         kwargs = dict(template_kwargs or {})
         if ctx.config.chat_template is not None:
             kwargs["chat_template"] = ctx.config.chat_template
-        rendered = tok.apply_chat_template(template_messages(messages), tools=tools,
-                                           add_generation_prompt=add_generation_prompt, **kwargs)
+        rendered = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
     except APIError:
         raise
     except Exception as exc:  # jinja2 raises TemplateError, templates raise their own messages
         raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
     if isinstance(rendered, str):
         # The template already wrote BOS and other special tokens as text.
-        return tok.encode(rendered, add_special_tokens=False)
-    return list(rendered)
+        return tok.encode(rendered, add_special_tokens=False), rendered
+    return list(rendered), None
+
+
+# A tool grammar that takes longer than this to check is refused (a hostile schema must not hold a worker).
+GRAMMAR_CHECK_TIMEOUT_S = 10.0
+
+
+async def check_grammar(grammar: str) -> None:
+    """400 with llguidance's reason when a tool grammar (really: a tool's parameter schema) does not compile."""
+    from llguidance import LLMatcher
+
+    try:
+        error = await asyncio.wait_for(asyncio.to_thread(LLMatcher.validate_grammar, grammar), GRAMMAR_CHECK_TIMEOUT_S)
+    except TimeoutError:
+        raise bad_request("The tools' parameter schemas took too long to compile; simplify them",
+                          param="tools") from None
+    if error:
+        raise bad_request(f"The tools' parameter schemas cannot be enforced: {error}", param="tools")
+
+
+async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[list[int], ChatPlan]:
+    """Tools, tool history and reasoning checked and planned; the prompt rendered and tokenized."""
+    tok = ctx.engine.tokenizer
+    cfg = ctx.config
+    template = template_text(tok, cfg.chat_template, bool(req.tools))
+    plan = plan_tools(req, template, cfg.tool_call_parser, cfg.reasoning_parser)
+    messages = plan.template_messages(template_messages(req.messages))
+    prompt_ids, rendered = render_chat(ctx, messages, plan.template_tools, req.add_generation_prompt,
+                                       req.chat_template_kwargs)
+    if rendered is None and plan.parses_output:
+        rendered = tok.decode(prompt_ids, skip_special_tokens=False)
+    plan.finish_prompt(rendered or "", token_ref_for(tok))
+    if plan.grammar is not None:
+        await check_grammar(plan.grammar)
+    return prompt_ids, plan
 
 
 def chat_logprobs(ctx: ServerContext, steps: list[StepLogprobs], top_n: int) -> ChatLogprobs:
@@ -117,20 +168,19 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if req.functions is not None or req.function_call is not None:
         field = "functions" if req.functions is not None else "function_call"
         raise bad_request(f"{field} (the deprecated functions API) is not supported; send tools", param=field)
-    if req.tool_choice == "required" or isinstance(req.tool_choice, dict):
-        what = "'required'" if req.tool_choice == "required" else "a named tool"
-        raise bad_request(f"tool_choice {what} is not supported yet: this server does not parse tool calls "
-                          "out of the reply (tool_choice 'auto' and 'none' are)", param="tool_choice")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported by this "
                           "server; only 'text' is", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     top_n = req.top_logprobs or 0
-    prompt_ids = chat_prompt_ids(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+    prompt_ids, plan = await prepare_chat(ctx, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, ctx.engine.max_model_len, "messages")
     params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None)
+    params.grammar = plan.grammar
+    if plan.special_markers:
+        params.skip_special_tokens = False  # the markers the reply is split at are special tokens
     request_id = new_id("chatcmpl")
     record.request_id = request_id
     run = EngineRun(ctx, record, prompt_ids, params, request_id, priority=req.priority, cache_salt=req.cache_salt)
@@ -138,16 +188,23 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 
     if not req.stream:
         out = await unless_disconnected(run.final(), request.receive)
-        choices = [
-            ChatCompletionChoice(
-                index=c.index,
-                message=ChatResponseMessage(role="assistant", content=c.text),
+        choices = []
+        for c in out.outputs:
+            message = ChatResponseMessage(role="assistant", content=c.text)
+            finish_reason = c.finish_reason
+            if plan.parses_output:
+                parser = plan.reply_parser()
+                reply = assemble(parser.feed(c.text) + parser.finish())
+                message.content = reply.content
+                if reply.reasoning_content is not None:
+                    message.reasoning_content = reply.reasoning_content
+                if reply.tool_calls:
+                    message.tool_calls = reply.tool_calls
+                finish_reason = parser.finish_reason(finish_reason)
+            choices.append(ChatCompletionChoice(
+                index=c.index, message=message,
                 logprobs=chat_logprobs(ctx, c.logprobs or [], top_n) if req.logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in out.outputs
-        ]
+                finish_reason=finish_reason, stop_reason=c.stop_reason))
         body = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                       usage=usage_from([out]), system_fingerprint=SYSTEM_FINGERPRINT)
         return Response(body)
@@ -166,6 +223,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 
     async def events() -> AsyncIterator[bytes]:
         done = [False] * params.n
+        parsers: list[ReplyParser] | None = [plan.reply_parser() for _ in range(params.n)] \
+            if plan.parses_output else None
         for i in range(params.n):
             yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
 
@@ -179,13 +238,27 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                 steps = (c.logprobs or []) if req.logprobs else []
                 if not text and not steps and c.finish_reason is None:
                     continue
-                if text or steps:
-                    lps = chat_logprobs(ctx, steps, top_n) if req.logprobs and steps else None
+                lps = chat_logprobs(ctx, steps, top_n) if req.logprobs and steps else None
+                finish_reason = c.finish_reason
+                if parsers is not None:
+                    # Parsed replies: reasoning, content and tool-call deltas; text that may still be a marker
+                    # waits, and logprobs go with the first frame of the step (an empty delta if need be).
+                    parser = parsers[i]
+                    events = parser.feed(text) if text else []
+                    if c.finish_reason is not None:
+                        events += parser.finish()
+                        finish_reason = parser.finish_reason(c.finish_reason)
+                    messages = delta_messages(events)
+                    if lps is not None and not messages:
+                        messages = [DeltaMessage()]
+                    for k, delta in enumerate(messages):
+                        frames.append(chunk([ChatChunkChoice(index=i, delta=delta, logprobs=lps if k == 0 else None)]))
+                elif text or steps:
                     frames.append(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=text), logprobs=lps)]))
                 if c.finish_reason is not None:
                     # As OpenAI does: the choice ends with its own chunk, an empty delta and the reason.
                     frames.append(chunk([ChatChunkChoice(index=i, delta=DeltaMessage(),
-                                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)]))
+                                                         finish_reason=finish_reason, stop_reason=c.stop_reason)]))
                     done[i] = True
             return frames
 

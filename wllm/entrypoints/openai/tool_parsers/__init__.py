@@ -50,6 +50,13 @@ def detect_tool_format(template: str | None) -> str:
 
 
 __all__ = [
-    "FORMATS", "PARSERS", "TOOL_PARSER_CHOICES", "ContentDelta", "ToolArgsDelta", "ToolCallParser", "ToolCallStart",
-    "ToolEvent", "detect_tool_format",
+    "FORMATS",
+    "PARSERS",
+    "TOOL_PARSER_CHOICES",
+    "ContentDelta",
+    "ToolArgsDelta",
+    "ToolCallParser",
+    "ToolCallStart",
+    "ToolEvent",
+    "detect_tool_format",
 ]

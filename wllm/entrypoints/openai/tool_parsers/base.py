@@ -98,7 +98,7 @@ class _ObjectScan:
                     self.in_str = False
                     if self.depth == 1 and self.state == "in_key":
                         try:
-                            self.key = json.loads(buf[self.key_start: i + 1])
+                            self.key = json.loads(buf[self.key_start : i + 1])
                         except ValueError:
                             self.key = None
                         self.state = "colon"
@@ -205,7 +205,7 @@ class ToolCallParser:
         if (self.mode == "object" and not self._announced) or (self.mode in ("lead", "elements") and self.calls == 0):
             self._not_a_call(out, len(self.buf))  # the reply ended before this became a call
         if self.mode in ("content", "text"):
-            self._content(out, self.buf[self.pos:])
+            self._content(out, self.buf[self.pos :])
             if self.pending_ws and not self.skip_ws:
                 out.append(ContentDelta(self.pending_ws))
         self.pending_ws = ""
@@ -228,7 +228,7 @@ class ToolCallParser:
             self.pending_ws += text
             return
         out.append(ContentDelta(self.pending_ws + body))
-        self.pending_ws = text[len(body):]
+        self.pending_ws = text[len(body) :]
 
     def _start_region(self, region: int) -> None:
         self.region = region
@@ -239,7 +239,7 @@ class ToolCallParser:
         while True:
             mode, n = self.mode, len(buf)
             if mode == "text":
-                self._content(out, buf[self.pos:])
+                self._content(out, buf[self.pos :])
                 self.pos = n
                 return
             if mode == "content":
@@ -256,17 +256,17 @@ class ToolCallParser:
                         continue
                 trigger = fmt.trigger
                 if not trigger:
-                    self._content(out, buf[self.pos:])
+                    self._content(out, buf[self.pos :])
                     self.pos = n
                     return
                 k = buf.find(trigger, self.pos)
                 if k >= 0:
-                    self._content(out, buf[self.pos:k])
+                    self._content(out, buf[self.pos : k])
                     self._start_region(k)
                     self.pos, self.mode = k + len(trigger), "lead"
                     continue
                 hold = 0 if final else _partial_suffix(buf, self.pos, trigger)
-                self._content(out, buf[self.pos: n - hold])
+                self._content(out, buf[self.pos : n - hold])
                 self.pos = n - hold
                 return
             if mode in ("lead", "elements", "after"):
@@ -355,7 +355,7 @@ class ToolCallParser:
     def _not_a_call(self, out: list[ToolEvent], upto: int) -> None:
         """The region read since the trigger is text; go on reading text after it."""
         self.pending_ws, self.region_ws = self.region_ws + self.pending_ws, ""
-        self._content(out, self.buf[self.region:upto])
+        self._content(out, self.buf[self.region : upto])
         self.pos, self.scan = upto, None
         self.mode = "text" if self.fmt.layout == "bare" else "content"
         if self.fmt.layout == "array" and self.calls:
@@ -367,7 +367,7 @@ class ToolCallParser:
             if span is None:
                 return
             try:
-                name = json.loads(self.buf[span[0]: span[1]])
+                name = json.loads(self.buf[span[0] : span[1]])
             except ValueError:
                 name = None
             if not isinstance(name, str) or name not in self.tool_names:
@@ -398,7 +398,7 @@ class ToolCallParser:
             return
         stop = end if end is not None else scan.i
         if stop > self._args_from:
-            out.append(ToolArgsDelta(self.calls - 1, self.buf[self._args_from: stop]))
+            out.append(ToolArgsDelta(self.calls - 1, self.buf[self._args_from : stop]))
             self._args_from = stop
         if end is not None:
             self._args_done = True

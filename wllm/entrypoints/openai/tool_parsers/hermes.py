@@ -6,8 +6,9 @@ from __future__ import annotations
 from wllm.entrypoints.openai.tool_parsers.base import ToolCallParser
 from wllm.structured.tools import ToolFormat
 
-HERMES = ToolFormat("hermes", "tagged", trigger="<tool_call>", call_open="<tool_call>\n", call_close="\n</tool_call>",
-                    separator="\n")
+HERMES = ToolFormat(
+    "hermes", "tagged", trigger="<tool_call>", call_open="<tool_call>\n", call_close="\n</tool_call>", separator="\n"
+)
 
 
 class HermesToolParser(ToolCallParser):

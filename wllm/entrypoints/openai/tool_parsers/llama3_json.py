@@ -7,8 +7,9 @@ from __future__ import annotations
 from wllm.entrypoints.openai.tool_parsers.base import ToolCallParser
 from wllm.structured.tools import ToolFormat
 
-LLAMA3_JSON = ToolFormat("llama3_json", "bare", trigger="<|python_tag|>", separator="; ",
-                         args_keys=("parameters", "arguments"))
+LLAMA3_JSON = ToolFormat(
+    "llama3_json", "bare", trigger="<|python_tag|>", separator="; ", args_keys=("parameters", "arguments")
+)
 
 
 class Llama3JsonToolParser(ToolCallParser):
