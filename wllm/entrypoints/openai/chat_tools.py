@@ -330,7 +330,9 @@ def assemble(events: list[Event]) -> ReplyMessage:
     for call, parts in zip(calls, args):
         call.function.arguments = "".join(parts)
     text = "".join(content)
-    return ReplyMessage(text if text or not calls else None, "".join(reasoning) if reasoning else None, calls)
+    # OpenAI: content is null when the reply is only calls (or only reasoning).
+    return ReplyMessage(text if text or not (calls or reasoning) else None, "".join(reasoning) if reasoning else None,
+                        calls)
 
 
 def delta_messages(events: list[Event]) -> list[DeltaMessage]:
