@@ -31,7 +31,7 @@ def parse(name: str, text: str, pieces: int | None = None) -> tuple[str, list[tu
         events += parser.feed(text)
     else:
         for i in range(0, len(text), pieces):
-            events += parser.feed(text[i:i + pieces])
+            events += parser.feed(text[i : i + pieces])
     events += parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls: list[list[str]] = []
@@ -51,41 +51,77 @@ WARGS = '{"city": "Paris", "unit": "celsius"}'
 CASES: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     # hermes / qwen
     ("hermes", f"<tool_call>\n{W}\n</tool_call>", "", [("get_weather", WARGS)]),
-    ("hermes", f"Let me look that up.\n\n<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{T}\n</tool_call>",
-     "Let me look that up.", [("get_weather", WARGS), ("get_time", "{}")]),
+    (
+        "hermes",
+        f"Let me look that up.\n\n<tool_call>\n{W}\n</tool_call>\n<tool_call>\n{T}\n</tool_call>",
+        "Let me look that up.",
+        [("get_weather", WARGS), ("get_time", "{}")],
+    ),
     ("hermes", "The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
     ("hermes", "a < b and <tool", "a < b and <tool", []),  # a held-back trigger prefix that never completed
     ("hermes", f"<tool_call>\n{W}\n</tool_call>\nDone, see above.", "Done, see above.", [("get_weather", WARGS)]),
     # unknown name: not a call, the text stays content
-    ("hermes", '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',
-     '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>', []),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',
+        [],
+    ),
     # truncated before the name is complete: text; truncated inside the arguments: the call with what came
     ("hermes", '<tool_call>\n{"name": "get_wea', '<tool_call>\n{"name": "get_wea', []),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "",
-     [("get_weather", '{"city": "Pa')]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', "", [("get_weather", '{"city": "Pa')]),
     ("hermes", "<tool_call>\nnot json at all", "<tool_call>\nnot json at all", []),
     ("hermes", '<tool_call>\n{"name": "get_time"}\n</tool_call>', "", [("get_time", "{}")]),  # no arguments
-    ("hermes", '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call>', "",
-     [("get_weather", '{"city": "Rome"}')]),  # arguments before the name
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>', "",
-     [("get_weather", '{"city": "Oslo"}')]),  # arguments as a JSON string
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"q": "}\\" {[</tool_call>"}}\n</tool_call>', "",
-     [("get_weather", '{"q": "}\\" {[</tool_call>"}')]),  # brackets, quotes and the end tag inside a string
+    (
+        "hermes",
+        '<tool_call>\n{"arguments": {"city": "Rome"}, "name": "get_weather"}\n</tool_call>',
+        "",
+        [("get_weather", '{"city": "Rome"}')],
+    ),  # arguments before the name
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>',
+        "",
+        [("get_weather", '{"city": "Oslo"}')],
+    ),  # arguments as a JSON string
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"q": "}\\" {[</tool_call>"}}\n</tool_call>',
+        "",
+        [("get_weather", '{"q": "}\\" {[</tool_call>"}')],
+    ),  # brackets, quotes and the end tag inside a string
     # llama 3.x json
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "",
-     [("get_weather", WARGS)]),
-    ("llama3_json", '<|python_tag|>{"type": "function", "name": "get_time", "parameters": {}}', "",
-     [("get_time", "{}")]),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-                    '{"name": "get_time", "arguments": {}}', "", [("get_weather", WARGS), ("get_time", "{}")]),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+        "",
+        [("get_weather", WARGS)],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"type": "function", "name": "get_time", "parameters": {}}',
+        "",
+        [("get_time", "{}")],
+    ),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "get_time", "arguments": {}}',
+        "",
+        [("get_weather", WARGS), ("get_time", "{}")],
+    ),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),  # JSON, but not a call
     ("llama3_json", "Sure {not json} here", "Sure {not json} here", []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', "", [("get_weather", '{"city": "Par')]),
     # mistral
     ("mistral", f"[TOOL_CALLS][{W}, {T}]", "", [("get_weather", WARGS), ("get_time", "{}")]),
     ("mistral", f"Checking. [TOOL_CALLS] [{T}]", "Checking.", [("get_time", "{}")]),
-    ("mistral", '[TOOL_CALLS][{"name": "nope", "arguments": {}}]', '[TOOL_CALLS][{"name": "nope", "arguments": {}}]',
-     []),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "nope", "arguments": {}}]',
+        '[TOOL_CALLS][{"name": "nope", "arguments": {}}]',
+        [],
+    ),
     ("mistral", "[TOOL_CALLS]oops", "[TOOL_CALLS]oops", []),
     ("mistral", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
     # generic
@@ -108,8 +144,10 @@ def test_complete_calls_parse_and_ids_are_openai_style() -> None:
     events = parser.feed(f"<tool_call>\n{W}\n</tool_call>") + parser.finish()
     start = next(e for e in events if isinstance(e, ToolCallStart))
     assert start.id.startswith("call_") and len(start.id) > 12
-    assert json.loads(parse("hermes", f"<tool_call>\n{W}\n</tool_call>")[1][0][1]) == {"city": "Paris",
-                                                                                        "unit": "celsius"}
+    assert json.loads(parse("hermes", f"<tool_call>\n{W}\n</tool_call>")[1][0][1]) == {
+        "city": "Paris",
+        "unit": "celsius",
+    }
     mistral = PARSERS["mistral"](TOOLS)
     (start,) = [e for e in mistral.feed(f"[TOOL_CALLS][{T}]") + mistral.finish() if isinstance(e, ToolCallStart)]
     assert len(start.id) == 9 and start.id.isalnum()  # what Mistral's templates insist on
@@ -148,14 +186,15 @@ def test_template_detection() -> None:
 # ------------------------------------------------------------------ reasoning
 
 
-def split(text: str, in_reasoning: bool = False, allow_start: bool = True, pieces: int | None = None,
-          tools: bool = False) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+def split(
+    text: str, in_reasoning: bool = False, allow_start: bool = True, pieces: int | None = None, tools: bool = False
+) -> tuple[str | None, str | None, list[tuple[str, str]]]:
     reasoning = ReasoningParser(ReasoningFormat(), in_reasoning=in_reasoning, allow_start=allow_start)
     parser = ReplyParser(reasoning, PARSERS["hermes"](TOOLS) if tools else None)
     events = []
     step = pieces or max(1, len(text))
     for i in range(0, len(text), step):
-        events += parser.feed(text[i:i + step])
+        events += parser.feed(text[i : i + step])
     events += parser.finish()
     msg = assemble(events)
     return msg.reasoning_content, msg.content, [(c.function.name, c.function.arguments) for c in msg.tool_calls]
@@ -183,8 +222,10 @@ def test_reasoning_split(text: str, in_reasoning: bool, allow_start: bool, expec
 
 
 def test_tool_call_after_reasoning_and_never_inside_it() -> None:
-    text = (f"<think>\nShould I write <tool_call>\n{T}\n</tool_call>? No, the weather.\n</think>\n\n"
-            f"<tool_call>\n{W}\n</tool_call>")
+    text = (
+        f"<think>\nShould I write <tool_call>\n{T}\n</tool_call>? No, the weather.\n</think>\n\n"
+        f"<tool_call>\n{W}\n</tool_call>"
+    )
     for pieces in (None, 1, 5):
         reasoning, content, calls = split(text, pieces=pieces, tools=True)
         assert reasoning is not None and reasoning.startswith("Should I write <tool_call>")
@@ -200,8 +241,13 @@ def test_prompt_state() -> None:
 
 
 def test_stream_deltas_group_by_kind() -> None:
-    events = [ContentDelta("a"), ContentDelta("b"), ToolCallStart(0, "call_x", "get_time"), ToolArgsDelta(0, "{"),
-              ToolArgsDelta(0, "}")]
+    events = [
+        ContentDelta("a"),
+        ContentDelta("b"),
+        ToolCallStart(0, "call_x", "get_time"),
+        ToolArgsDelta(0, "{"),
+        ToolArgsDelta(0, "}"),
+    ]
     deltas = delta_messages(events)
     assert [d.content for d in deltas[:1]] == ["ab"]
     assert deltas[1].tool_calls[0].function.name == "get_time" and deltas[1].tool_calls[0].function.arguments == ""

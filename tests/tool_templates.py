@@ -81,4 +81,11 @@ R1_TEMPLATE = r"""{{- bos_token }}
 {%- if add_generation_prompt %}{{- '<|Assistant|><think>\n' }}{%- endif %}
 """
 
-__all__ = ["LLAMA3_TEMPLATE", "MISTRAL_TEMPLATE", "QWEN25_TEMPLATE", "QWEN3_TEMPLATE", "R1_TEMPLATE", "SMOLLM2_TEMPLATE"]
+__all__ = [
+    "LLAMA3_TEMPLATE",
+    "MISTRAL_TEMPLATE",
+    "QWEN25_TEMPLATE",
+    "QWEN3_TEMPLATE",
+    "R1_TEMPLATE",
+    "SMOLLM2_TEMPLATE",
+]
