@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 import llguidance
+import msgspec
 import pytest
 from fake_engine import CharTokenizer, ScriptedEngine
 from litestar.testing import TestClient
@@ -27,7 +28,9 @@ from tool_templates import (
 )
 
 from wllm.entrypoints.openai.app import create_app
+from wllm.entrypoints.openai.chat_tools import plan_tools
 from wllm.entrypoints.openai.config import ServerConfig
+from wllm.entrypoints.openai.protocol import ChatCompletionRequest
 from wllm.model.tokenizer.chat_template import render_chat_template
 
 CHAT = "/v1/chat/completions"
@@ -562,3 +565,37 @@ def test_each_tool_choice_sets_its_grammar() -> None:
     assert accepts(auto, "Sunny.") and accepts(auto, "Let me see. " + call)
     assert not accepts(auto, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>')
     assert accepts(none, "Sunny.") and not accepts(none, call)
+
+
+def test_tool_call_parser_flag_overrides_the_template() -> None:
+    client, engine = make(QWEN25_TEMPLATE, reply='{"name": "get_time", "arguments": {}}', tool_call_parser="generic")
+    with client:
+        body = post(client, tools=[TIME]).json()
+        prompt = prompt_of(engine)
+    assert "You can call functions" in prompt and "<tools>" not in prompt  # the template got no tools
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServerConfig(tool_call_parser="xml").validate()
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        ServerConfig(reasoning_parser="maybe").validate()
+
+
+def test_special_token_triggers_keep_special_tokens_in_the_text() -> None:
+    def ref(text: str) -> str:
+        return "<[128010]>" if text == "<|python_tag|>" else json.dumps(text)
+
+    auto = plan_tools(
+        msgspec.convert({"messages": ASK, "tools": [WEATHER]}, ChatCompletionRequest), LLAMA3_TEMPLATE, "auto", "auto"
+    )
+    auto.finish_prompt("<|start_header_id|>assistant<|end_header_id|>\n\n", ref)
+    assert auto.tool_format is not None and auto.tool_format.name == "llama3_json"
+    assert auto.special_markers and auto.grammar is not None and "<[128010]>" in auto.grammar
+    none = plan_tools(
+        msgspec.convert({"messages": ASK, "tools": [WEATHER], "tool_choice": "none"}, ChatCompletionRequest),
+        LLAMA3_TEMPLATE,
+        "auto",
+        "auto",
+    )
+    none.finish_prompt("", ref)
+    assert none.tool_format is None and not none.special_markers  # nothing is parsed: text as usual
+    assert none.grammar is not None and "PROSE" in none.grammar  # but a leading JSON call is masked

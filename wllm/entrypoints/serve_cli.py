@@ -72,11 +72,13 @@ def register(subparsers: Any) -> None:
                        help="name clients use in `model` (repeatable; the first is reported in responses)")
     model.add_argument("--chat-template", default=None,
                        help="chat template: a file, a template string, or the name of one of the model's templates")
-    model.add_argument("--tool-call-parser", default="auto",
-                       choices=["auto", "hermes", "llama3_json", "mistral", "generic"],
+    from wllm.entrypoints.openai.reasoning import REASONING_PARSER_CHOICES
+    from wllm.entrypoints.openai.tool_parsers import TOOL_PARSER_CHOICES
+
+    model.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
                        help="tool-call format of the model's replies; auto: from the chat template's markers "
                             "(generic: tools described in a system message, calls as JSON)")
-    model.add_argument("--reasoning-parser", default="auto", choices=["auto", "none", "qwen3", "deepseek_r1"],
+    model.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSER_CHOICES,
                        help="split <think>...</think> reasoning into reasoning_content; auto: when the chat "
                             "template has the markers")
     model.add_argument("--max-model-len", type=_positive_int, default=None,

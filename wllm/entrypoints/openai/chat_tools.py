@@ -179,8 +179,8 @@ class ChatPlan:
         fmt = self.tool_format or self.masked_format
         if fmt is None:
             return
-        if fmt.trigger and token_ref(fmt.trigger).startswith("<["):
-            self.special_markers = True
+        if self.tool_format is not None and fmt.trigger and token_ref(fmt.trigger).startswith("<["):
+            self.special_markers = True  # the parser must see the trigger token in the text
         think = None
         if self.reasoning is not None and not self.reasoning_closed:
             think = ReasoningSpec(self.reasoning.start, self.reasoning.end, open_in_prompt=self.in_reasoning)
@@ -331,8 +331,9 @@ def assemble(events: list[Event]) -> ReplyMessage:
         call.function.arguments = "".join(parts)
     text = "".join(content)
     # OpenAI: content is null when the reply is only calls (or only reasoning).
-    return ReplyMessage(text if text or not (calls or reasoning) else None, "".join(reasoning) if reasoning else None,
-                        calls)
+    return ReplyMessage(
+        text if text or not (calls or reasoning) else None, "".join(reasoning) if reasoning else None, calls
+    )
 
 
 def delta_messages(events: list[Event]) -> list[DeltaMessage]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -118,17 +119,28 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
 
 # A tool grammar that takes longer than this to check is refused (a hostile schema must not hold a worker).
 GRAMMAR_CHECK_TIMEOUT_S = 10.0
+# Agents send the same tools every turn: the verdict on each grammar is kept (least recently used out).
+_checked_grammars: OrderedDict[str, str] = OrderedDict()
+_CHECKED_MAX = 256
 
 
 async def check_grammar(grammar: str) -> None:
     """400 with llguidance's reason when a tool grammar (really: a tool's parameter schema) does not compile."""
     from llguidance import LLMatcher
 
-    try:
-        error = await asyncio.wait_for(asyncio.to_thread(LLMatcher.validate_grammar, grammar), GRAMMAR_CHECK_TIMEOUT_S)
-    except TimeoutError:
-        raise bad_request("The tools' parameter schemas took too long to compile; simplify them",
-                          param="tools") from None
+    error = _checked_grammars.get(grammar)
+    if error is None:
+        try:
+            error = await asyncio.wait_for(asyncio.to_thread(LLMatcher.validate_grammar, grammar),
+                                           GRAMMAR_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
+            raise bad_request("The tools' parameter schemas took too long to compile; simplify them",
+                              param="tools") from None
+        _checked_grammars[grammar] = error
+        if len(_checked_grammars) > _CHECKED_MAX:
+            _checked_grammars.popitem(last=False)
+    else:
+        _checked_grammars.move_to_end(grammar)
     if error:
         raise bad_request(f"The tools' parameter schemas cannot be enforced: {error}", param="tools")
 
