@@ -599,3 +599,26 @@ def test_special_token_triggers_keep_special_tokens_in_the_text() -> None:
     none.finish_prompt("", ref)
     assert none.tool_format is None and not none.special_markers  # nothing is parsed: text as usual
     assert none.grammar is not None and "PROSE" in none.grammar  # but a leading JSON call is masked
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "x-guidance": "abc"},
+        {"type": None},
+        {"type": "object", "properties": 5},
+        {"type": "object", "$ref": "#/nope"},
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}},
+        {"type": "object", "required": "a"},
+        {"type": "object", "properties": {"a": {"minimum": "x"}}},
+    ],
+)
+def test_hostile_parameter_schemas_are_400_never_500(parameters: dict[str, Any]) -> None:
+    client, _ = make(QWEN25_TEMPLATE)
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with client:
+        for choice in ("auto", "required"):
+            r = post(client, tools=[tool], tool_choice=choice)
+            assert r.status_code in (200, 400), r.text
+            if r.status_code == 400:
+                assert r.json()["error"]["param"].startswith("tools"), r.text

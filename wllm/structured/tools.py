@@ -91,8 +91,8 @@ def literal(text: str) -> str:
 
 def _args_schema(fn: FunctionSpec) -> dict[str, Any]:
     schema = dict(fn.parameters) if fn.parameters is not None else dict(NO_PARAMETERS)
-    guidance = dict(schema.get("x-guidance") or {})
-    schema["x-guidance"] = {**guidance, **JSON_STYLE}
+    guidance = schema.get("x-guidance")
+    schema["x-guidance"] = {**(guidance if isinstance(guidance, dict) else {}), **JSON_STYLE}
     return schema
 
 
