@@ -47,7 +47,7 @@ from wllm.entrypoints.openai.tool_parsers import (
     detect_tool_format,
 )
 from wllm.entrypoints.openai.tool_parsers.generic import calls_as_text, tool_instructions
-from wllm.structured.tools import FunctionSpec, ReasoningSpec, ToolFormat, literal, tool_grammar
+from wllm.structured.tools import FunctionSpec, ReasoningSpec, ToolChoiceMode, ToolFormat, literal, tool_grammar
 
 MAX_TOOLS = 128  # OpenAI's limit
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -126,7 +126,7 @@ class ChatPlan:
     """What tool calling and reasoning change in one chat request."""
 
     tool_format: ToolFormat | None = None  # None: the reply's tool calls are not parsed
-    mode: str = "none"
+    mode: ToolChoiceMode = "none"
     named: str | None = None
     parallel: bool = True
     functions: list[FunctionSpec] = field(default_factory=list)
@@ -184,14 +184,9 @@ class ChatPlan:
         think = None
         if self.reasoning is not None and not self.reasoning_closed:
             think = ReasoningSpec(self.reasoning.start, self.reasoning.end, open_in_prompt=self.in_reasoning)
-        mode = "required" if self.named is not None else self.mode
+        mode: ToolChoiceMode = "required" if self.named is not None else self.mode
         self.grammar = tool_grammar(
-            fmt,
-            self.functions,
-            mode,
-            parallel=self.parallel,  # type: ignore[arg-type]
-            reasoning=think,
-            token_ref=token_ref,
+            fmt, self.functions, mode, parallel=self.parallel, reasoning=think, token_ref=token_ref
         )
 
     def reply_parser(self) -> ReplyParser:
@@ -380,7 +375,7 @@ def delta_messages(events: list[Event]) -> list[DeltaMessage]:
 
 def token_ref_for(tokenizer: Any) -> Callable[[str], str]:
     """`token_ref` for grammars: a special token of this tokenizer as `<[id]>`, other text as a literal."""
-    special = getattr(tokenizer, "all_special_ids", frozenset())
+    special: frozenset[int] = getattr(tokenizer, "all_special_ids", frozenset())
     to_id = getattr(tokenizer, "token_to_id", None)
 
     def ref(text: str) -> str:
