@@ -622,3 +622,14 @@ def test_hostile_parameter_schemas_are_400_never_500(parameters: dict[str, Any])
             assert r.status_code in (200, 400), r.text
             if r.status_code == 400:
                 assert r.json()["error"]["param"].startswith("tools"), r.text
+
+
+def test_streamed_logprobs_are_not_lost_while_text_is_held_back() -> None:
+    reply = 'Sure.<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    client, _ = make(QWEN25_TEMPLATE, reply=reply)
+    with client:
+        r = post(client, tools=[TIME], stream=True, logprobs=True, stream_options={"include_usage": True})
+        events = [e for e in sse(r.text) if e != "[DONE]"]
+    tokens = [t["token"] for e in events for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["content"]]
+    assert "".join(tokens) == reply  # every token's logprob once, in order, markup included
+    assert events[-1]["usage"]["completion_tokens"] == len(reply)
