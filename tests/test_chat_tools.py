@@ -21,6 +21,7 @@ from test_api_server import sse
 from tool_templates import (
     LLAMA3_TEMPLATE,
     MISTRAL_TEMPLATE,
+    MISTRAL_V11_TEMPLATE,
     QWEN3_TEMPLATE,
     QWEN25_TEMPLATE,
     R1_TEMPLATE,
@@ -144,8 +145,14 @@ HISTORY = [
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
             "<tool_response>\n21 C, sunny\n</tool_response>",
         ),
+        (
+            MISTRAL_V11_TEMPLATE,
+            '[AVAILABLE_TOOLS][{"type": "function", "function": {"name": "get_weather"',
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}</s>',
+            "[TOOL_RESULTS]21 C, sunny[/TOOL_RESULTS]",
+        ),
     ],
-    ids=["qwen2.5", "llama3.1", "mistral", "qwen3"],
+    ids=["qwen2.5", "llama3.1", "mistral", "qwen3", "mistral-v11"],
 )
 def test_templates_render_tools_and_tool_history(
     template: str, tools_mark: str, call_mark: str, result_mark: str
@@ -373,6 +380,12 @@ def without_ids(message: dict[str, Any]) -> dict[str, Any]:
 
 REPLIES = [
     (
+        MISTRAL_V11_TEMPLATE,
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+        {"content": "Sure.", "calls": [("get_weather", {"city": "Paris"}), ("get_time", {})]},
+        "tool_calls",
+    ),
+    (
         QWEN25_TEMPLATE,
         'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
         '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
@@ -413,7 +426,7 @@ REPLIES = [
 @pytest.mark.parametrize(
     ("template", "reply", "expected", "finish"),
     REPLIES,
-    ids=["hermes-2-calls", "hermes-text", "llama", "mistral", "generic", "unknown-name"],
+    ids=["mistral-v11", "hermes-2-calls", "hermes-text", "llama", "mistral", "generic", "unknown-name"],
 )
 def test_reply_to_tool_calls_and_stream_reassembles(
     template: str, reply: str, expected: dict[str, Any], finish: str

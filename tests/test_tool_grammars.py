@@ -37,7 +37,7 @@ WEATHER = FunctionSpec(
 )
 TIME = FunctionSpec("get_time")  # no parameters: exactly {}
 FUNCTIONS = [WEATHER, TIME]
-SPECIALS = ["[TOOL_CALLS]", "<|python_tag|>"]
+SPECIALS = ["[TOOL_CALLS]", "[ARGS]", "<|python_tag|>"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,10 +90,14 @@ def wrap(fmt: str, *calls: str) -> str:
         return "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
     if fmt == "mistral":
         return "[TOOL_CALLS][" + ", ".join(calls) + "]"
+    if fmt == "mistral_v11":
+        return "".join(
+            f"[TOOL_CALLS]{json.loads(c)['name']}[ARGS]{json.dumps(json.loads(c)['arguments'])}" for c in calls
+        )
     return FORMATS[fmt].separator.join(calls)
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "mistral_v11", "generic"])
 def test_required_takes_schema_valid_calls_only(fmt: str) -> None:
     g = grammar(fmt, "required")
     one, two = call(fmt, "get_weather", W), call(fmt, "get_time", {})
@@ -111,7 +115,7 @@ def test_required_takes_schema_valid_calls_only(fmt: str) -> None:
     assert accepts(single, wrap(fmt, one)) and not accepts(single, wrap(fmt, one, two))
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "generic"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "mistral_v11", "generic"])
 def test_auto_is_free_text_until_the_trigger(fmt: str) -> None:
     g = grammar(fmt, "auto")
     calls = wrap(fmt, call(fmt, "get_weather", W))
@@ -119,13 +123,18 @@ def test_auto_is_free_text_until_the_trigger(fmt: str) -> None:
     assert accepts(g, calls)
     bad = wrap(fmt, call(fmt, "get_weather", {"town": "Paris"}))
     assert not accepts(g, bad)  # once the trigger is out, the call must validate
-    if fmt in ("hermes", "mistral"):
+    if fmt in ("hermes", "mistral", "mistral_v11"):
         assert accepts(g, "Let me check. " + calls)  # text before the call
         assert not accepts(g, "Let me check. " + bad)
 
 
 def test_none_masks_the_trigger() -> None:
-    for fmt, triggered in [("hermes", "<tool_call>\n"), ("mistral", "[TOOL_CALLS]["), ("llama3_json", '{"name": ')]:
+    for fmt, triggered in [
+        ("hermes", "<tool_call>\n"),
+        ("mistral", "[TOOL_CALLS]["),
+        ("llama3_json", '{"name": '),
+        ("mistral_v11", "[TOOL_CALLS]get_time"),
+    ]:
         g = grammar(fmt, "none")
         assert accepts(g, "Plain text, no call.")
         assert not accepts(g, triggered), fmt
@@ -160,7 +169,7 @@ def test_reasoning_runs_free_before_the_calls() -> None:
 
 def test_constrained_output_parses_to_the_same_calls() -> None:
     # What the grammar lets through, the format's parser reads back as the calls that were written.
-    for fmt in ("hermes", "llama3_json", "mistral", "generic"):
+    for fmt in ("hermes", "llama3_json", "mistral", "mistral_v11", "generic"):
         text = wrap(fmt, call(fmt, "get_weather", W), call(fmt, "get_time", {}))
         assert accepts(grammar(fmt, "required"), text)
         parser = PARSERS[fmt](["get_weather", "get_time"])

@@ -124,6 +124,17 @@ CASES: list[tuple[str, str, str, list[tuple[str, str]]]] = [
     ),
     ("mistral", "[TOOL_CALLS]oops", "[TOOL_CALLS]oops", []),
     ("mistral", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
+    # mistral v11
+    (
+        "mistral_v11",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{}',
+        "",
+        [("get_weather", WARGS), ("get_time", "{}")],
+    ),
+    ("mistral_v11", "Checking.[TOOL_CALLS]get_time[ARGS]", "Checking.", [("get_time", "{}")]),
+    ("mistral_v11", "[TOOL_CALLS]launch_rocket[ARGS]{}", "[TOOL_CALLS]launch_rocket[ARGS]{}", []),
+    ("mistral_v11", "[TOOL_CALLS] hello there", "[TOOL_CALLS] hello there", []),
+    ("mistral_v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "", [("get_weather", '{"city": "Pa')]),
     # generic
     ("generic", f"{W}\n{T}", "", [("get_weather", WARGS), ("get_time", "{}")]),
     ("generic", "  A plain answer, with {braces} inside.", "  A plain answer, with {braces} inside.", []),
@@ -171,12 +182,20 @@ def test_trigger_prefix_is_held_back() -> None:
 
 
 def test_template_detection() -> None:
-    from tool_templates import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, QWEN3_TEMPLATE, QWEN25_TEMPLATE, SMOLLM2_TEMPLATE
+    from tool_templates import (
+        LLAMA3_TEMPLATE,
+        MISTRAL_TEMPLATE,
+        MISTRAL_V11_TEMPLATE,
+        QWEN3_TEMPLATE,
+        QWEN25_TEMPLATE,
+        SMOLLM2_TEMPLATE,
+    )
 
     assert detect_tool_format(QWEN25_TEMPLATE) == "hermes"
     assert detect_tool_format(QWEN3_TEMPLATE) == "hermes"
     assert detect_tool_format(LLAMA3_TEMPLATE) == "llama3_json"
     assert detect_tool_format(MISTRAL_TEMPLATE) == "mistral"
+    assert detect_tool_format(MISTRAL_V11_TEMPLATE) == "mistral_v11"
     assert detect_tool_format(SMOLLM2_TEMPLATE) == "generic"
     assert detect_tool_format(None) == "generic"
     assert detect_reasoning(QWEN3_TEMPLATE) is not None

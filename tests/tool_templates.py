@@ -39,6 +39,24 @@ MISTRAL_TEMPLATE = r"""{{- bos_token }}
 {%- endfor %}
 """
 
+# Mistral's v11 templates (Mistral Small 3.2, Devstral, Magistral): one [TOOL_CALLS]name[ARGS]{...} per call.
+MISTRAL_V11_TEMPLATE = r"""{{- bos_token }}
+{%- if tools %}{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or message.role == 'system' %}
+        {{- '[INST]' + message.content + '[/INST]' }}
+    {%- elif message.role == 'assistant' %}
+        {{- message.content }}
+        {%- for call in message.tool_calls or [] %}
+            {{- '[TOOL_CALLS]' + call.function.name + '[ARGS]' + (call.function.arguments | tojson) }}
+        {%- endfor %}
+        {{- eos_token }}
+    {%- elif message.role == 'tool' %}
+        {{- '[TOOL_RESULTS]' + message.content + '[/TOOL_RESULTS]' }}
+    {%- endif %}
+{%- endfor %}
+"""
+
 QWEN3_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
@@ -84,6 +102,7 @@ R1_TEMPLATE = r"""{{- bos_token }}
 __all__ = [
     "LLAMA3_TEMPLATE",
     "MISTRAL_TEMPLATE",
+    "MISTRAL_V11_TEMPLATE",
     "QWEN25_TEMPLATE",
     "QWEN3_TEMPLATE",
     "R1_TEMPLATE",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Layout = Literal["tagged", "bare", "array"]
+Layout = Literal["tagged", "bare", "array", "named"]
 ToolChoiceMode = Literal["none", "auto", "required"]
 
 # The separators chat templates use when they render a call with tojson / json.dumps.
@@ -41,6 +41,8 @@ class ToolFormat:
     - `bare`: the reply starts with JSON call objects, separated by `separator` (Llama 3.x, the generic
       format); `trigger`, when set, is a token that may also introduce them (`<|python_tag|>`).
     - `array`: `trigger` then a JSON array of call objects (Mistral `[TOOL_CALLS][...]`).
+    - `named`: `trigger`, the function's name, `args_marker`, then the arguments object, per call, with no
+      call object around them (Mistral's v11 templates: `[TOOL_CALLS]get_weather[ARGS]{...}`).
 
     A call object is `{"name": ..., <args key>: {...}}`; `args_keys[0]` is what grammars write, the others
     are also read (Llama models write `parameters` or `arguments`).
@@ -53,6 +55,7 @@ class ToolFormat:
     call_close: str = ""
     separator: str = "\n"
     args_keys: tuple[str, ...] = ("arguments",)
+    args_marker: str = ""
 
     @property
     def args_key(self) -> str:
@@ -117,11 +120,17 @@ def tool_grammar(
     grammars: list[dict[str, Any]] = []
     # One rule per function: the call object with its name fixed and its arguments from its own schema.
     for i, fn in enumerate(functions if mode != "none" else ()):
-        head = "{" + literal("name") + ": " + literal(fn.name) + ", " + literal(fmt.args_key) + ": "
-        rules.append(f"fn_{i}: {literal(head)} @args_{i} {literal('}')}")
+        if fmt.layout == "named":
+            rules.append(f"rest_{i}: {literal(fn.name)} {token_ref(fmt.args_marker)} @args_{i}")
+            rules.append(f"fn_{i}: {token_ref(fmt.trigger)} rest_{i}")
+        else:
+            head = "{" + literal("name") + ": " + literal(fn.name) + ", " + literal(fmt.args_key) + ": "
+            rules.append(f"fn_{i}: {literal(head)} @args_{i} {literal('}')}")
         grammars.append({"name": f"args_{i}", "json_schema": _args_schema(fn)})
     if functions and mode != "none":
         rules.append("call: " + " | ".join(f"fn_{i}" for i in range(len(functions))))
+        if fmt.layout == "named":
+            rules.append("tail: " + " | ".join(f"rest_{i}" for i in range(len(functions))))
     rules.append("TEXT: /(.|\\n)*/")
     rules.append("WS: /[ \\t\\r\\n]+/")
 
@@ -184,8 +193,19 @@ def _body(fmt: ToolFormat, mode: ToolChoiceMode, parallel: bool, token_ref: Toke
         rules.append(f"BARE_TRIGGER: /(?s:.*)/ {trigger} /(?s:.*)/")
         rules.append("SAFE_PROSE: PROSE & ~BARE_TRIGGER")
         return "SAFE_PROSE?"
-    # array
     trigger = token_ref(fmt.trigger)
+    if fmt.layout == "named":
+        # Each call starts with the trigger (it is part of `call`); calls follow each other directly.
+        if mode == "required":
+            return "call+" if parallel else "call"
+        if mode == "auto":
+            if _is_special(trigger):
+                return "TEXT call*" if parallel else "TEXT call?"
+            # hd ends at the first trigger, the rest of that call follows it
+            rules.append(f"hd[lazy]: TEXT {trigger}")
+            return "(hd tail)* TEXT" if parallel else "TEXT | hd tail"
+        return _text_without(trigger, rules)
+    # array
     items = f"call ({literal(', ')} call)*" if parallel else "call"
     array = f"{literal('[')} {items} {literal(']')}"
     rules.append(f"calls: {array}")

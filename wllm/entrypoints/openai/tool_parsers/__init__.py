@@ -18,16 +18,17 @@ from wllm.entrypoints.openai.tool_parsers.base import (
 from wllm.entrypoints.openai.tool_parsers.generic import GENERIC, GenericToolParser
 from wllm.entrypoints.openai.tool_parsers.hermes import HERMES, HermesToolParser
 from wllm.entrypoints.openai.tool_parsers.llama3_json import LLAMA3_JSON, Llama3JsonToolParser
-from wllm.entrypoints.openai.tool_parsers.mistral import MISTRAL, MistralToolParser
+from wllm.entrypoints.openai.tool_parsers.mistral import MISTRAL, MISTRAL_V11, MistralToolParser, MistralV11ToolParser
 from wllm.structured.tools import ToolFormat
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "mistral_v11": MistralV11ToolParser,
     "generic": GenericToolParser,
 }
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, GENERIC)}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_V11, GENERIC)}
 # What --tool-call-parser accepts.
 TOOL_PARSER_CHOICES = ("auto", *PARSERS)
 
@@ -41,7 +42,7 @@ def detect_tool_format(template: str | None) -> str:
     format (the tools are then described in a system message instead of by the template)."""
     t = template or ""
     if "[TOOL_CALLS]" in t:
-        return "mistral"
+        return "mistral_v11" if "[ARGS]" in t else "mistral"
     if "<tool_call>" in t:
         return "hermes"
     if "<|python_tag|>" in t or ("<|start_header_id|>" in t and '"parameters"' in t and _USES_TOOLS.search(t)):

@@ -21,6 +21,7 @@ which `_ObjectScan` tracks; validity is the grammar's business (wllm.structured.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import string
 from collections.abc import Collection
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from wllm.structured.tools import ToolFormat
 
 _WS = " \t\r\n"
+_NAME = re.compile(r"[A-Za-z0-9_-]*")
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -204,6 +206,8 @@ class ToolCallParser:
         self._run(out, final=True)
         if (self.mode == "object" and not self._announced) or (self.mode in ("lead", "elements") and self.calls == 0):
             self._not_a_call(out, len(self.buf))  # the reply ended before this became a call
+        elif self.mode == "args":
+            out.append(ToolArgsDelta(self.calls - 1, "{}"))  # named layout: a name and no arguments
         if self.mode in ("content", "text"):
             self._content(out, self.buf[self.pos :])
             if self.pending_ws and not self.skip_ws:
@@ -263,12 +267,41 @@ class ToolCallParser:
                 if k >= 0:
                     self._content(out, buf[self.pos : k])
                     self._start_region(k)
-                    self.pos, self.mode = k + len(trigger), "lead"
+                    self.pos, self.mode = k + len(trigger), "name" if fmt.layout == "named" else "lead"
                     continue
                 hold = 0 if final else _partial_suffix(buf, self.pos, trigger)
                 self._content(out, buf[self.pos : n - hold])
                 self.pos = n - hold
                 return
+            if mode == "name":  # named layout: the function's name, up to the arguments marker
+                marker = fmt.args_marker
+                k = buf.find(marker, self.pos)
+                if k < 0:
+                    hold = 0 if final else _partial_suffix(buf, self.pos, marker)
+                    if not final and _NAME.fullmatch(buf[self.pos : n - hold].strip(_WS)):
+                        return  # the name so far
+                    self._not_a_call(out, self.pos)
+                    continue
+                name = buf[self.pos : k].strip(_WS)
+                if name not in self.tool_names:
+                    self._not_a_call(out, self.pos)
+                    continue
+                self._announce(out, name)
+                self.pos, self.mode = k + len(marker), "args"
+                continue
+            if mode == "args":  # named layout: the arguments object
+                j = self.pos
+                while j < n and buf[j] in _WS:
+                    j += 1
+                if j == n:
+                    return
+                if buf[j] != "{":
+                    out.append(ToolArgsDelta(self.calls - 1, "{}"))
+                    self._end_calls(j)
+                    continue
+                self.scan, self.mode, self.pos = _ObjectScan(j), "object", j
+                self._args_from, self._args_done = j, False
+                continue
             if mode in ("lead", "elements", "after"):
                 j = self.pos
                 while j < n and buf[j] in _WS:
@@ -324,6 +357,16 @@ class ToolCallParser:
             scan = self.scan
             assert scan is not None
             scan.advance(buf)
+            if fmt.layout == "named":  # the object is the arguments: hand it on as it comes
+                stop = scan.end if scan.done and not scan.bad else scan.i
+                if stop > self._args_from:
+                    out.append(ToolArgsDelta(self.calls - 1, buf[self._args_from : stop]))
+                    self._args_from = stop
+                if not scan.done:
+                    return
+                self.scan = None
+                self._end_calls(stop)
+                continue
             self._emit_call(out, scan)
             if not scan.done:
                 return
@@ -374,9 +417,7 @@ class ToolCallParser:
                 scan.done, scan.bad = True, True  # not one of the request's tools: text
                 scan.i = len(self.buf)
                 return
-            self._announced = True
-            out.append(ToolCallStart(self.calls, self.new_call_id(), name))
-            self.calls += 1
+            self._announce(out, name)
             self._args_from = -1
         if self._args_done:
             return
@@ -402,6 +443,11 @@ class ToolCallParser:
             self._args_from = stop
         if end is not None:
             self._args_done = True
+
+    def _announce(self, out: list[ToolEvent], name: str) -> None:
+        self._announced = True
+        out.append(ToolCallStart(self.calls, self.new_call_id(), name))
+        self.calls += 1
 
     def _args_span(self, scan: _ObjectScan) -> tuple[str | None, int, int | None]:
         for key in self.fmt.args_keys:
