@@ -218,6 +218,14 @@ def _compile_flags(leg: LegPlan) -> list[str]:
     return flags
 
 
+def _link_flags() -> list[str]:
+    flags = ["-shared", "-cudart", "static"]
+    if not IS_WINDOWS:
+        # Only libc stays dynamic; the static C++ runtime's symbols are kept private.
+        flags += ["-Xcompiler", "-static-libstdc++,-static-libgcc", "-Xlinker", "--exclude-libs,ALL"]
+    return flags
+
+
 def _ninja_quote(path: Path | str) -> str:
     return str(path).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
 
@@ -290,10 +298,7 @@ def build(out_dir: Path, build_dir: Path | None = None, archs_override: str | No
                 to_cache.append((obj, cached))
     primary = legs[0]
     lib = build_dir / LIB_NAME
-    link_flags = ["-shared", "-cudart", "static"]
-    if not IS_WINDOWS:
-        # Only libc stays dynamic; the static C++ runtime's symbols are kept private.
-        link_flags += ["-Xcompiler", "-static-libstdc++,-static-libgcc", "-Xlinker", "--exclude-libs,ALL"]
+    link_flags = _link_flags()
     lines.append("rule link")
     lines.append(f"  command = {_cmd_quote(str(primary.nvcc))} {' '.join(link_flags)} $in -o $out")
     lines.append("  description = link $out")

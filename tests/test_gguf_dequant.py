@@ -18,7 +18,7 @@ from wllm.model.loader.quantized import QuantizedTensor
 F16_FIELDS = {
     GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
     GGMLType.Q8_0: (0,), GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2),
-    GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,),
+    GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
 }
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
@@ -86,12 +86,12 @@ def test_result_does_not_alias_input() -> None:
     assert raw.view(torch.float32).abs().sum() > 0
 
 
-@pytest.mark.parametrize("t", [GGMLType.IQ2_XXS, GGMLType.TQ1_0, GGMLType.Q8_1, "IQ4_NL", 999])
+@pytest.mark.parametrize("t", [GGMLType.IQ2_XXS, GGMLType.TQ1_0, GGMLType.Q8_1, "IQ3_S", 999])
 def test_unsupported_type_names_supported_ones(t: object) -> None:
     with pytest.raises(UnsupportedQuantTypeError) as exc:
         dequantize(torch.zeros(256, dtype=torch.uint8), t, (1, 256))  # type: ignore[arg-type]
     msg = str(exc.value)
-    assert "Q4_K" in msg and "Q8_0" in msg and "BF16" in msg
+    assert "Q4_K" in msg and "Q8_0" in msg and "BF16" in msg and "IQ4_XS" in msg
     assert isinstance(exc.value, ModelLoadError)
 
 

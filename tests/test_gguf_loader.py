@@ -150,15 +150,23 @@ def test_kquant_blocks_survive_llama_permute(tmp_path: Path) -> None:
     sd: dict[str, Any] = dict(model.state_dict())
     q = QuantizedTensor(torch.from_numpy(random_blocks(GGMLType.Q4_K, 256, 1, seed=1)), GGMLType.Q4_K, (256, 256))
     k = QuantizedTensor(torch.from_numpy(random_blocks(GGMLType.Q6_K, 128, 1, seed=2)), GGMLType.Q6_K, (128, 256))
+    # The IQ4 types (non-linear 4-bit levels) load the same way.
+    v = QuantizedTensor(torch.from_numpy(random_blocks(GGMLType.IQ4_XS, 128, 1, seed=3)), GGMLType.IQ4_XS, (128, 256))
+    o = QuantizedTensor(torch.from_numpy(random_blocks(GGMLType.IQ4_NL, 256, 8, seed=4)), GGMLType.IQ4_NL, (256, 256))
     sd["model.layers.1.self_attn.q_proj.weight"] = q
     sd["model.layers.1.self_attn.k_proj.weight"] = k
+    sd["model.layers.1.self_attn.v_proj.weight"] = v
+    sd["model.layers.1.self_attn.o_proj.weight"] = o
     write_gguf(tmp_path / "k.gguf", hc.to_dict(), sd, qtype=GGMLType.F16)
     raw = dict(load_gguf(tmp_path / "k.gguf").iter_weights())
     assert torch.equal(raw["model.layers.1.self_attn.q_proj.weight"].data, q.data)
     assert torch.equal(raw["model.layers.1.self_attn.k_proj.weight"].data, k.data)
+    assert torch.equal(raw["model.layers.1.self_attn.v_proj.weight"].data, v.data)
+    assert torch.equal(raw["model.layers.1.self_attn.o_proj.weight"].data, o.data)
     dense = dict(load_gguf(tmp_path / "k.gguf").iter_weights(dequantize=torch.bfloat16))
     assert dense["model.layers.1.self_attn.q_proj.weight"].dtype == torch.bfloat16
-    torch.testing.assert_close(dense["model.layers.1.self_attn.q_proj.weight"], q.dequantize(torch.bfloat16))
+    for name, qt in (("q_proj", q), ("v_proj", v), ("o_proj", o)):
+        torch.testing.assert_close(dense[f"model.layers.1.self_attn.{name}.weight"], qt.dequantize(torch.bfloat16))
 
 
 def tiny_model_from(cfg: dict[str, Any]) -> tuple[Any, torch.nn.Module]:
@@ -308,16 +316,16 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type_and_moe_tensor(tmp_path: Path) -> None:
-    # A tensor in IQ4_NL (block 32, 18 bytes), which wLLM does not dequantize.
+    # A tensor in IQ2_XXS (block 256, 66 bytes), which wLLM does not dequantize.
     w = gguf.GGUFWriter(tmp_path / "iq.gguf", "llama")
     for key, value in (("llama.block_count", 2), ("llama.embedding_length", 64)):
         w.add_uint32(key, value)
-    w.add_tensor("token_embd.weight", np.zeros((96, 2 * 18), dtype=np.uint8), raw_dtype=GGMLType.IQ4_NL)
+    w.add_tensor("token_embd.weight", np.zeros((96, 66), dtype=np.uint8), raw_dtype=GGMLType.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match=r"iq\.gguf: tensor token_embd\.weight has GGML type IQ4_NL.*Q4_K"):
+    with pytest.raises(ModelLoadError, match=r"iq\.gguf: tensor token_embd\.weight has GGML type IQ2_XXS.*IQ4_XS"):
         load_gguf(tmp_path / "iq.gguf")
 
     # A Mixtral-style expert tensor in a llama GGUF.

@@ -37,6 +37,8 @@ def test_cpu_only_wheel_without_kernels(tmp_path: Path) -> None:
     assert wheel.name.endswith("-py3-none-any.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "wllm/kernels/ops.py" in names and "wllm/cli.py" in names
+    ui = {n.rsplit("/", 1)[1] for n in names if n.startswith("wllm/entrypoints/ui/static/")}  # the web UI
+    assert ui == {p.name for p in (ROOT / "wllm" / "entrypoints" / "ui" / "static").iterdir()}, ui
     assert not [n for n in names if n.startswith("wllm/_lib/") and not n.endswith("__init__.py")]
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Name: wllm-server" in meta and "Requires-Python: >=3.10" in meta

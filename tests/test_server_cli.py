@@ -16,7 +16,7 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--rate-limit-rpm", "--rate-limit-tpm", "--cors-origin", "--log-format", "--otlp-endpoint",
          "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
          "--no-async-scheduling", "--engine-process", "--no-engine-process", "--stream-interval",
-         "--metrics-auth", "--no-metrics-auth", "--tool-call-parser", "--reasoning-parser"]
+         "--metrics-auth", "--no-metrics-auth", "--ui", "--no-ui", "--tool-call-parser", "--reasoning-parser"]
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]

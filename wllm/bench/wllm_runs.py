@@ -29,6 +29,7 @@ class EngineOptions:
     kv_cache_memory: int = 512 << 20  # the KV cache on the CPU (ignored on CUDA)
     max_model_len: int | None = None  # None: 4096, or the workload's length when longer
     seed: int = 0
+    quantization: str | None = None  # random GGUF blocks of this preset (q4_k_m, q8_0, ...) instead of dense
     engine_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -74,6 +75,8 @@ def build_llm(shape: Shape, opts: EngineOptions, workload_len: int) -> Any:
         "max_model_len": max_len,
         "seed": opts.seed,
     }
+    if opts.quantization is not None:
+        kwargs["quantization"] = opts.quantization
     kwargs.update(opts.engine_args)
     return LLM(shape.source, load_format="dummy", **kwargs)
 

@@ -25,6 +25,9 @@ class CacheConfig(msgspec.Struct, kw_only=True):
     num_gpu_blocks: int | None = None
     kv_cache_memory: int = 1 * GiB
     gpu_memory_utilization: float = 0.9
+    # Bytes of the GPU wLLM may use at most (None: the whole card); utilization applies to this cap, so a
+    # 12 GB card can be emulated on a bigger one.
+    gpu_memory_limit: int | None = None
     swap_space: float = 1.0
     num_cpu_blocks: int | None = None  # overrides swap_space when set (tests)
     enable_prefix_caching: bool = True
@@ -36,6 +39,8 @@ class CacheConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
+            raise ValueError(f"gpu_memory_limit must be positive, got {self.gpu_memory_limit}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
         if self.kv_cache_memory <= 0:

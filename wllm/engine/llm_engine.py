@@ -108,6 +108,30 @@ def collect_garbage_if_due() -> bool:
     return True
 
 
+def _gpu_memory_check(config: EngineConfig, device: torch.device) -> Any:
+    """The loader's pre-allocation check on CUDA: weights + the largest step + one sequence of max_model_len
+    (asked for, else up to 1024 tokens of the model's) must fit what wLLM may use of the card."""
+    from wllm.engine.memory_plan import gpu_budget, plan_for
+
+    def check(model: nn.Module, model_config: Any, dtype: torch.dtype) -> None:
+        sched, cache = config.scheduler, config.cache
+        dev = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        tokens = sched.max_num_batched_tokens or default_batched_tokens("cuda", sms)
+        plan = plan_for(model, model_config, dtype, name="the model", block_size=cache.block_size,
+                        max_num_batched_tokens=tokens, max_num_seqs=sched.max_num_seqs,
+                        graphs=not config.enforce_eager)
+        if sched.max_model_len is not None:
+            length = sched.max_model_len
+        else:
+            length = min(model_config.max_position_embeddings, 1024)
+        if cache.num_gpu_blocks is not None:
+            length = max(length, cache.num_gpu_blocks * cache.block_size)
+        plan.check(gpu_budget(dev, cache.gpu_memory_utilization, cache.gpu_memory_limit), length)
+
+    return check
+
+
 class LLMEngine:
     """Continuous-batching engine over one model on one device.
 
@@ -146,7 +170,12 @@ class LLMEngine:
         max_len = sched.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
         self.worker = Worker(model, self.config.cache, sched.max_num_batched_tokens, dtype,
                              max_num_seqs=sched.max_num_seqs, max_model_len=max_len,
-                             enforce_eager=self.config.enforce_eager)
+                             enforce_eager=self.config.enforce_eager,
+                             require_max_model_len=sched.max_model_len is not None)
+        capacity = self.worker.num_gpu_blocks * self.config.cache.block_size
+        if capacity < max_len:
+            logger.warning("max_model_len is %d, not the model's %d: that is all the KV cache holds "
+                           "(set max_model_len, or give the cache more memory)", capacity, max_len)
         self.scheduler = Scheduler(sched, self.config.cache, self.worker.num_gpu_blocks,
                                    self.worker.num_cpu_blocks, max_len, self.eos_token_ids, tokenizer)
         self._rng = random.Random(self.config.seed)
@@ -202,11 +231,13 @@ class LLMEngine:
         tokenizer: str | os.PathLike[str] | None = None,
         load_format: str = "auto",
         revision: str | None = None,
+        quantization: str | None = None,
         **engine_args: Any,
     ) -> LLMEngine:
-        """Load a model (HF folder or hub id, GGUF file, or dummy shape) and its tokenizer and
-        build an engine. `engine_args` are EngineConfig fields (block_size, max_num_seqs, device,
-        dtype, ...); device "auto" picks CUDA when available."""
+        """Load a model (HF folder or hub id, GGUF file, or dummy shape; `quantization` makes a dummy shape's
+        random weights GGUF blocks of that preset, e.g. "q4_k_m") and its tokenizer and build an engine.
+        `engine_args` are EngineConfig fields (block_size, max_num_seqs, device, dtype, ...); device "auto"
+        picks CUDA when available."""
         from wllm.model.loader import load_model
         from wllm.model.tokenizer.synthetic import synthetic_tokenizer
         from wllm.model.tokenizer.tokenizer import Tokenizer
@@ -215,8 +246,9 @@ class LLMEngine:
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        memory_check = _gpu_memory_check(config, torch.device(device)) if torch.device(device).type == "cuda" else None
         loaded = load_model(model, dtype=config.dtype, device=device, load_format=load_format,
-                            revision=revision)
+                            revision=revision, quantization=quantization, memory_check=memory_check)
         tok_source = tokenizer or loaded.tokenizer_path
         if tok_source is not None:
             tok = Tokenizer.from_path(tok_source)

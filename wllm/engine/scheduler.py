@@ -536,6 +536,7 @@ class Scheduler:
             "kv_cache_usage": self.kv.usage,
             "num_free_blocks": self.kv.num_free_blocks,
             "num_gpu_blocks": self.kv.pool.num_blocks,
+            "num_cached_blocks": len(self.kv.pool.cached),  # holding prefix-cache content, in use or free
             "num_free_cpu_blocks": len(self.cpu_free),
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,

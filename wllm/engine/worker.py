@@ -19,6 +19,7 @@ from wllm import kernels
 from wllm.engine.config import CacheConfig, GiB
 from wllm.engine.cuda_attention import cuda_attention_unsupported
 from wllm.engine.cuda_runner import CudaStepRunner
+from wllm.engine.memory_plan import InsufficientMemoryError, budget_from, gib
 from wllm.engine.paged_attention import allocate_kv_cache, copy_blocks, kv_cache_bytes_per_block, swap_blocks
 from wllm.engine.step_plan import RowResult, StepPlan
 from wllm.engine.torch_runner import TorchStepRunner
@@ -46,7 +47,7 @@ class Worker:
 
     def __init__(self, model: nn.Module, cache_config: CacheConfig, max_num_batched_tokens: int,
                  dtype: torch.dtype | None = None, *, max_num_seqs: int = 256, max_model_len: int | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, require_max_model_len: bool = False) -> None:
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "num_hidden_layers"):
             raise TypeError(f"{type(model).__name__} has no `config` with the layer shapes the KV cache needs")
@@ -67,6 +68,8 @@ class Worker:
                                                     self.head_dim, self.dtype)
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._blocks_from_memory(
             cache_config, max_num_batched_tokens)
+        if require_max_model_len:
+            self._check_max_model_len(cache_config)
         if cache_config.num_cpu_blocks is not None:
             self.num_cpu_blocks = cache_config.num_cpu_blocks
         else:
@@ -86,6 +89,22 @@ class Worker:
                                          enforce_eager=enforce_eager)
         else:
             self.runner = TorchStepRunner(model, self.kv_cache)
+
+    def _check_max_model_len(self, cache_config: CacheConfig) -> None:
+        """An asked-for max_model_len the cache cannot hold is an error (a default one is capped later)."""
+        capacity = self.num_gpu_blocks * self.block_size
+        if capacity >= self.max_model_len:
+            return
+        need = -(-self.max_model_len // self.block_size)
+        where = ("kv_cache_memory" if self.device.type != "cuda"
+                 else "gpu_memory_utilization / gpu_memory_limit" if cache_config.num_gpu_blocks is None
+                 else "num_gpu_blocks")
+        fit = capacity // 256 * 256 if capacity >= 256 else capacity
+        raise InsufficientMemoryError(
+            f"max_model_len {self.max_model_len} needs {need} KV-cache blocks of {self.block_size} tokens "
+            f"({gib(need * self.block_bytes)}), but {self.num_gpu_blocks} fit on {self.device} "
+            f"({gib(self.num_gpu_blocks * self.block_bytes)}, from {where}); at max_model_len {fit} it fits"
+        )
 
     def _cuda_kernels_usable(self) -> bool:
         """CUDA kernels serve this model when the library runs on the device and supports its shapes."""
@@ -130,11 +149,11 @@ class Worker:
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.numel() * scratch.element_size()
         del scratch
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        free_now, _ = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free_now - torch.cuda.memory_reserved(self.device)
-        budget = total * cache_config.gpu_memory_utilization - peak - max(used_by_others, 0)
-        return int(budget // self.block_bytes)
+        free_now, total = torch.cuda.mem_get_info(self.device)
+        budget = budget_from(total, free_now + torch.cuda.memory_reserved(self.device),
+                             cache_config.gpu_memory_utilization, cache_config.gpu_memory_limit, str(self.device))
+        # The step's peak allocation includes the weights: what is left is the cache's.
+        return int((budget.bytes - peak) // self.block_bytes)
 
     @property
     def supports_in_flight(self) -> bool:

@@ -19,6 +19,8 @@ import json
 import sys
 from typing import Any
 
+from wllm.model.loader.presets import DUMMY_QUANTIZATIONS
+
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "latency": {"shapes": ["qwen2.5-0.5b", "llama-3.1-8b"], "prompt_len": 128, "output_len": 256,
                 "num_requests": 1, "runs": 3, "warmup": 1},
@@ -76,6 +78,8 @@ def _add_bench(sub: Any, name: str) -> None:
     p.add_argument("--skip-hf", action="store_true", help="do not run the HF transformers baseline")
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto (default)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--quantization", default=None, choices=DUMMY_QUANTIZATIONS,
+                   help="random GGUF blocks of this preset's per-tensor types instead of dense random weights")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                    help="fraction of the GPU wLLM may use (default 0.6; HF runs after wLLM is freed)")
     p.add_argument("--kv-cache-memory", type=int, default=512 << 20, help="KV cache bytes on the CPU")
@@ -127,7 +131,7 @@ def build_config(args: argparse.Namespace) -> Any:
     engine = EngineOptions(device=args.device, dtype=args.dtype,
                            gpu_memory_utilization=args.gpu_memory_utilization,
                            kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
-                           seed=args.seed, engine_args=dict(args.engine_arg))
+                           seed=args.seed, quantization=args.quantization, engine_args=dict(args.engine_arg))
     return BenchConfig(
         shapes=args.shapes or list(d["shapes"]),
         prompt_len=args.prompt_len,

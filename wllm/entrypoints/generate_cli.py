@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import Any
 
+from wllm.model.loader.presets import DUMMY_QUANTIZATIONS
+
 
 def register(subparsers: Any) -> None:
     """Add the `generate` subcommand to the `wllm` parser."""
@@ -19,6 +21,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", "-m", default=None,
                    help="HF folder or hub id, or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    p.add_argument("--quantization", default=None, choices=DUMMY_QUANTIZATIONS,
+                   help="with --load-format dummy: random GGUF blocks of this preset (q4_k_m, q8_0, ...)")
     p.add_argument("--no-chat", action="store_true", help="complete the raw prompt; no chat template")
     p.add_argument("--system", default=None, help="a system message (chat mode)")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -57,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, stop=args.stop)
     try:
         params.validate()
-        engine = LLMEngine.from_pretrained(model, load_format=args.load_format, device=args.device,
+        engine = LLMEngine.from_pretrained(model, load_format=args.load_format, quantization=args.quantization,
+                                           device=args.device,
                                            dtype=args.dtype, max_model_len=args.max_model_len,
                                            kv_cache_memory=args.kv_cache_memory, max_num_seqs=1,
                                            enforce_eager=args.enforce_eager,

@@ -12,12 +12,15 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from wllm.model.loader.presets import DUMMY_QUANTIZATIONS
 
 logger = logging.getLogger("wllm.serve")
 
@@ -41,6 +44,24 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+               "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "12GiB", "12G" (binary), "12GB" (decimal), "512MiB" or a plain byte count."""
+    s = text.strip().lower().replace(" ", "")
+    match = re.fullmatch(r"([0-9.]*)([a-z]*)", s)
+    number, unit = match.groups() if match else ("", "?")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size such as 12GiB, 12GB, 512MiB or bytes, got {text!r}")
+    return int(value * _SIZE_UNITS[unit])
+
+
 def register(subparsers: Any) -> None:
     """Add the `serve` subcommand to the `wllm` CLI."""
     p = subparsers.add_parser(
@@ -50,20 +71,35 @@ def register(subparsers: Any) -> None:
                     "metrics). Without MODEL, serves the embedded SmolLM2-135M-Instruct.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML file with serve settings (keys named like the flags); flags given here override it")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every `wllm serve` setting. The config file's keys are derived from these (wllm/settings.py),
+    so a flag added here is a config key too."""
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="HF model folder, GGUF file, HF hub id, or nothing for the embedded SmolLM2-135M-Instruct")
+                   help="HF model folder, GGUF file, HF hub id (REPO or REPO:FILE for a GGUF in a hub repo), "
+                        "or nothing for the embedded SmolLM2-135M-Instruct")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     net.add_argument("--port", type=int, default=8000, help="port to bind (0 picks a free one)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may take to finish after SIGINT/SIGTERM; those "
                           "still running then end with a server_shutdown error")
+    net.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
+                     help="serve the web UI (chat playground, live engine view) at /; --no-ui: / answers 404")
 
     model = p.add_argument_group("model")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N, or auto (cuda when available)")
     model.add_argument("--dtype", default="auto", help="auto, float16, bfloat16 or float32")
     model.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
                        help="how to read MODEL; dummy = random weights in MODEL's shape (benchmarks)")
+    model.add_argument("--quantization", default=None, choices=DUMMY_QUANTIZATIONS,
+                       help="with --load-format dummy: random GGUF blocks of this preset's per-tensor types "
+                            "(llama.cpp's mix for the _M presets)")
     model.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a hub id")
     model.add_argument("--tokenizer", default=None,
                        help="tokenizer folder or GGUF file, when it is not MODEL's own "
@@ -89,6 +125,9 @@ def register(subparsers: Any) -> None:
     eng.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                      help="fraction of GPU memory for weights + KV cache (CUDA)")
+    eng.add_argument("--gpu-memory-limit", type=parse_size, default=None, metavar="SIZE",
+                     help="most GPU memory wLLM may use, e.g. 12GiB (default: the whole card; the utilization "
+                          "applies to this cap)")
     eng.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB of KV cache on the CPU")
     eng.add_argument("--swap-space", type=float, default=1.0,
                      help="GiB of CPU memory to swap preempted requests to (0: always recompute)")
@@ -139,7 +178,6 @@ def register(subparsers: Any) -> None:
     obs.add_argument("--otlp-endpoint", default=None,
                      help="send OpenTelemetry traces to this OTLP collector (http://host:4318 or grpc://host:4317); "
                           "needs `pip install opentelemetry-exporter-otlp`")
-    p.set_defaults(func=run_serve)
 
 
 def _resolve_device(device: str) -> str:
@@ -191,9 +229,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     # The same loading path as wllm.LLM (tokenizer resolution, EOS ids from generation_config).
     kwargs = dict(
         tokenizer=args.tokenizer, load_format=args.load_format, revision=args.revision,
-        dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
+        quantization=args.quantization, dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_limit=args.gpu_memory_limit,
         kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_waiting=args.max_queue, policy=args.scheduling_policy,
@@ -281,23 +320,60 @@ def _make_server(app: Any, args: argparse.Namespace, on_ready: Any) -> Any:
     return Server(config)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Entry point of `wllm serve`; returns the process exit status."""
+class ServeControl:
+    """Stops a `run_serve` that runs in another thread, the way SIGTERM stops one in the main thread:
+    no new connections, in-flight requests drain for `--shutdown-timeout`, the engine stops. The
+    Windows service uses it (a service gets its stop request from the service manager, not a signal)."""
+
+    def __init__(self, log_handlers: tuple[logging.Handler, ...] = ()) -> None:
+        self.log_handlers = log_handlers  # added to wLLM's and uvicorn's loggers (the service's Event Log)
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._server: Any = None
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def attach(self, server: Any) -> None:
+        with self._lock:
+            self._server = server
+            if self._stopping:
+                server.should_exit = True
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            if self._server is not None:
+                server = self._server
+                server.should_exit = True  # what uvicorn's own signal handler sets: a graceful shutdown
+
+
+def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> int:
+    """Entry point of `wllm serve`; returns the process exit status (0 after a graceful stop, 1 when the
+    model or the server fails, 2 for bad settings)."""
     from wllm.entrypoints.openai.auth import APIKeyError, collect_api_keys
     from wllm.entrypoints.openai.config import MiB, ServerConfig
     from wllm.observability.logs import setup_logging
     from wllm.observability.tracing import TracingSetupError, otlp_tracer_provider
+    from wllm.settings import ConfigError, apply, effective
 
-    setup_logging(args.log_format, args.log_level.upper())
+    try:  # flags over the --config file over the environment over the defaults
+        args = apply(args, effective(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_format, args.log_level.upper(), extra_handlers=control.log_handlers if control else ())
     try:
-        keys = collect_api_keys(args.api_key, args.api_key_file)
+        # The environment's keys are already in args.api_key when neither a flag nor the file set it.
+        keys = collect_api_keys(args.api_key, args.api_key_file, environ={})
         tracer_provider = otlp_tracer_provider(args.otlp_endpoint) if args.otlp_endpoint else None
         server_config = ServerConfig(
             served_model_names=_served_name(args.model, args.served_model_name),
             chat_template=_chat_template(args.chat_template),
             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
             api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
-            cors_origins=args.cors_origin, metrics_auth=args.metrics_auth,
+            cors_origins=args.cors_origin, metrics_auth=args.metrics_auth, ui=args.ui,
             max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
         server_config.validate()
     except (APIKeyError, TracingSetupError, ValueError) as exc:
@@ -311,6 +387,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     server_config.model_root = source
+    if control is not None and control.stopping:  # asked to stop while the model loaded
+        engine.shutdown(close_engine=True)
+        logger.info("stopped before serving")
+        return 0
 
     from wllm.entrypoints.openai.app import create_app
 
@@ -320,10 +400,13 @@ def run_serve(args: argparse.Namespace) -> int:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         shown = f"[{shown}]" if ":" in shown else shown
         auth = "on" if keys else "off"
+        ui = f"web UI: http://{shown}:{port}/; " if server_config.ui else ""
         print(f"wLLM ready: serving {server_config.served_model_names[0]} at http://{shown}:{port}/v1 "
-              f"(API keys: {auth}; Ctrl+C to stop)", flush=True)
+              f"(API keys: {auth}; {ui}Ctrl+C to stop)", flush=True)
 
     server = _make_server(app, args, on_ready)
+    if control is not None:
+        control.attach(server)
     try:
         server.run()
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -50,15 +51,17 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def setup_logging(fmt: LogFormat = "text", level: str | int = "INFO") -> None:
-    """Route wllm and uvicorn loggers to stderr in the chosen format (idempotent)."""
+def setup_logging(fmt: LogFormat = "text", level: str | int = "INFO",
+                  extra_handlers: Sequence[logging.Handler] = ()) -> None:
+    """Route wllm and uvicorn loggers to stderr in the chosen format (idempotent), and to
+    `extra_handlers` too (the Windows service's Event Log)."""
     if fmt not in ("json", "text"):
         raise ValueError(f"log format must be 'json' or 'text', got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else TextFormatter())
     for name in ("wllm", "uvicorn", "uvicorn.error"):
         logger = logging.getLogger(name)
-        logger.handlers[:] = [handler]
+        logger.handlers[:] = [handler, *extra_handlers]
         logger.setLevel(level)
         logger.propagate = False
     # Our access log (wllm.access) replaces uvicorn's, which knows neither tokens nor key ids.

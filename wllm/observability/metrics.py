@@ -2,12 +2,15 @@
 
 Request-level series are updated as requests run; engine gauges (queue length, running requests,
 KV usage, prefix-cache hit rate, preemptions) are read from `engine.stats()` at scrape time, so
-they are never stale and cost nothing between scrapes.
+they are never stale and cost nothing between scrapes. Time to first token and inter-token latency are
+also kept as raw samples of the last minute (`RecentSamples`), for the live percentiles of
+`GET /v1/engine/stats` (the web UI's engine view); the histograms stay cumulative, as Prometheus wants.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +34,34 @@ def _stat(stats: Any, *names: str) -> float | None:
         if value is not None:
             return float(value)
     return None
+
+
+class RecentSamples:
+    """The values observed in the last `window_s` seconds (at most the newest `max_samples`), for live
+    percentiles. Thread-safe; adding is O(1), a percentile read sorts the window."""
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 20_000) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)
+        self._lock = threading.Lock()
+
+    def add(self, value: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._samples.append((now, value))
+
+    def percentiles(self, quantiles: tuple[float, ...] = (0.5, 0.9, 0.99),
+                    now: float | None = None) -> tuple[int, list[float | None]]:
+        """(number of samples in the window, the value at each quantile; None without samples). Nearest rank."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            while self._samples and self._samples[0][0] < now - self.window_s:
+                self._samples.popleft()
+            values = sorted(v for _, v in self._samples)
+        if not values:
+            return 0, [None for _ in quantiles]
+        n = len(values)
+        return n, [values[min(n - 1, max(0, math.ceil(q * n) - 1))] for q in quantiles]
 
 
 class _EngineCollector(Collector):
@@ -98,6 +129,9 @@ class ServerMetrics:
         self.cached_prompt_tokens = Counter("wllm_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
                                             registry=r)
         self.generation_tokens = Counter("wllm_generation_tokens", "Tokens generated", registry=r)
+        self.recent_ttft = RecentSamples()
+        self.recent_itl = RecentSamples()
+        self.generated_total = 0  # what the generation_tokens counter holds, readable without the registry
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._window_lock = threading.Lock()
         self._engine_collector: _EngineCollector | None = None
@@ -108,6 +142,16 @@ class ServerMetrics:
             self._engine_collector = _EngineCollector(stats, healthy, self.tokens_per_second)
             self.registry.register(self._engine_collector)
 
+    def observe_ttft(self, seconds: float) -> None:
+        """One request's time to first token: the histogram and the last minute's samples."""
+        self.ttft.observe(seconds)
+        self.recent_ttft.add(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        """One inter-token gap: the histogram and the last minute's samples."""
+        self.itl.observe(seconds)
+        self.recent_itl.add(seconds)
+
     def record_generated(self, n_tokens: int, now: float | None = None) -> None:
         """Count freshly generated tokens (feeds the counter and the tokens/s window)."""
         if n_tokens <= 0:
@@ -115,6 +159,7 @@ class ServerMetrics:
         self.generation_tokens.inc(n_tokens)
         now = time.monotonic() if now is None else now
         with self._window_lock:
+            self.generated_total += n_tokens
             self._window.append((now, n_tokens))
             self._trim(now)
 

@@ -1,4 +1,4 @@
-"""The Litestar application: routes, auth and rate-limit guard, CORS, body limit, error bodies.
+"""The Litestar application: routes, auth and rate-limit guard, CORS, body limit, error bodies, the web UI.
 
 `create_app(engine, config)` builds an app around anything that satisfies `EngineClient`; the
 `wllm serve` command passes the real AsyncEngine, tests pass a scripted fake.
@@ -32,6 +32,7 @@ from wllm.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EngineStatsResponse,
     HealthResponse,
     ModelCard,
     ModelList,
@@ -43,6 +44,7 @@ from wllm.entrypoints.openai.rate_limit import RateLimited
 from wllm.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from wllm.entrypoints.openai.serving_common import STATE_KEY, ClientDisconnected, RequestRecord, ServerContext
 from wllm.entrypoints.openai.serving_completions import create_completion
+from wllm.entrypoints.openai.serving_stats import engine_stats
 from wllm.observability.metrics import CONTENT_TYPE, ServerMetrics
 from wllm.observability.tracing import RequestTracer
 from wllm.version import __version__
@@ -74,7 +76,8 @@ def _check_api_key(connection: ASGIConnection[Any, Any, Any, Any], ctx: ServerCo
 
 
 async def metrics_guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """With `--metrics-auth`, /metrics needs an API key like the API does (no rate limit: scrapers poll)."""
+    """With `--metrics-auth`, /metrics and /v1/engine/stats need an API key like the API does (no rate limit:
+    scrapers and the web UI poll)."""
     ctx = _ctx(connection)
     if ctx.config.metrics_auth:
         _check_api_key(connection, ctx, _record(connection))
@@ -171,6 +174,12 @@ async def metrics_endpoint(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+@get("/v1/engine/stats", summary="Engine gauges, counters and recent latency percentiles (JSON)",
+     guards=[metrics_guard])
+async def engine_stats_endpoint(request: Request[Any, Any, Any]) -> EngineStatsResponse:
+    return engine_stats(_ctx(request))
+
+
 @get("/version", summary="Server version")
 async def version() -> VersionResponse:
     return VersionResponse(version=__version__)
@@ -224,8 +233,13 @@ def create_app(
     if config.cors_origins:
         cors = CORSConfig(allow_origins=list(config.cors_origins), allow_methods=["*"], allow_headers=["*"],
                           expose_headers=["Retry-After"])
+    routes: list[Any] = [api, health, metrics_endpoint, engine_stats_endpoint, version, openapi_json]
+    if config.ui:
+        from wllm.entrypoints.ui import ui_route_handlers
+
+        routes.extend(ui_route_handlers())
     app = Litestar(
-        route_handlers=[api, health, metrics_endpoint, version, openapi_json],
+        route_handlers=routes,
         exception_handlers=handlers,
         middleware=[DefineMiddleware(ObservabilityMiddleware, ctx=ctx)],
         cors_config=cors,

@@ -22,7 +22,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     rate_limit_rpm: float | None = None
     rate_limit_tpm: float | None = None
     cors_origins: list[str] = msgspec.field(default_factory=list)
-    metrics_auth: bool = False  # whether GET /metrics needs an API key (when keys are set); off: open to scrapers
+    metrics_auth: bool = False  # whether GET /metrics and /v1/engine/stats need an API key (when keys are set)
+    ui: bool = True  # serve the web UI at / (wllm/entrypoints/ui)
     max_body_bytes: int = 16 * MiB
     max_n: int = 16
     max_stop: int = 16

@@ -27,8 +27,9 @@ KNOWN_ENDPOINTS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id:path}", "/tokenize",
     "/detokenize", "/health", "/metrics", "/version", "/openapi.json",
     "/chat/completions", "/completions", "/models", "/models/{model_id:path}",  # the routes without /v1
+    "/v1/engine/stats", "/", "/ui/{name:str}",  # the web UI's stats and files
 })
-QUIET_ENDPOINTS = frozenset({"/health", "/metrics"})  # polled constantly; logged at debug level only
+QUIET_ENDPOINTS = frozenset({"/health", "/metrics", "/v1/engine/stats"})  # polled; logged at debug level only
 
 
 def client_host(scope: Scope) -> str:

@@ -327,3 +327,52 @@ class VersionResponse(msgspec.Struct):
 
 class HealthResponse(msgspec.Struct):
     status: str
+
+
+# ------------------------------------------------------------------ GET /v1/engine/stats (the web UI's engine view)
+
+
+class RequestCounts(msgspec.Struct):
+    running: int
+    waiting: int
+    swapped: int
+
+
+class KVCacheStats(msgspec.Struct):
+    usage: float  # fraction of blocks referenced by some request (0-1)
+    blocks_total: int | None  # None: the engine does not report block counts
+    blocks_used: int | None
+    blocks_cached: int | None  # blocks holding prefix-cache content, in use or free and reusable
+
+
+class PrefixCacheStats(msgspec.Struct):
+    hit_rate: float  # hits / queries since start (0-1)
+    queries: int  # prompt tokens looked up since start
+    hits: int  # of which were found in the cache
+
+
+class PreemptionStats(msgspec.Struct):
+    total: int
+    swap: int
+    recompute: int
+
+
+class LatencyPercentiles(msgspec.Struct):
+    count: int  # samples in the window
+    p50: float | None  # seconds; None without samples
+    p90: float | None
+    p99: float | None
+
+
+class EngineStatsResponse(msgspec.Struct):
+    time: float  # the server's clock (Unix seconds), for rates between two reads
+    healthy: bool
+    requests: RequestCounts
+    tokens_per_second: float  # generated tokens per second over the last 10 s
+    generation_tokens: int  # generated tokens since start (a counter: its rate between reads is tokens/s)
+    kv_cache: KVCacheStats
+    prefix_cache: PrefixCacheStats
+    preemptions: PreemptionStats
+    window_s: float  # the span the latency percentiles cover (the newest samples)
+    ttft_s: LatencyPercentiles  # time to first token
+    itl_s: LatencyPercentiles  # inter-token latency

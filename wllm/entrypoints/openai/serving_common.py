@@ -409,7 +409,7 @@ class EngineRun:
             self._first_token = now
         elif self._last_token_time is not None:
             # Several tokens may arrive in one output; spread the gap over them.
-            metrics.itl.observe((now - self._last_token_time) / max(1, longest - self._tokens_seen))
+            metrics.observe_itl((now - self._last_token_time) / max(1, longest - self._tokens_seen))
         self._last_token_time = now
         self._tokens_seen = longest
 
@@ -435,7 +435,7 @@ class EngineRun:
             metrics.queue_time.observe(max(0.0, scheduled - arrival))
             rec.queue_time = max(0.0, scheduled - arrival) if rec.queue_time is None else rec.queue_time
         if first is not None:
-            metrics.ttft.observe(max(0.0, first - received))
+            metrics.observe_ttft(max(0.0, first - received))
             rec.ttft = max(0.0, first - received) if rec.ttft is None else min(rec.ttft, first - received)
         if out.finished:
             metrics.e2e.observe(max(0.0, done - received))

@@ -8,7 +8,8 @@ module the oracle for future CUDA dequant-GEMM kernels, so it stays in plain tor
 
 Block layouts (bytes per block, values per block) follow ggml-common.h:
 Q4_0 (18, 32), Q4_1 (20, 32), Q5_0 (22, 32), Q5_1 (24, 32), Q8_0 (34, 32),
-Q2_K (84, 256), Q3_K (110, 256), Q4_K (144, 256), Q5_K (176, 256), Q6_K (210, 256).
+Q2_K (84, 256), Q3_K (110, 256), Q4_K (144, 256), Q5_K (176, 256), Q6_K (210, 256),
+IQ4_NL (18, 32), IQ4_XS (136, 256).
 """
 
 from __future__ import annotations
@@ -201,6 +202,37 @@ def _q6_k(b: torch.Tensor, out: torch.Tensor) -> None:
     o.mul_(dl)
 
 
+# IQ4_NL / IQ4_XS: 4-bit indices into this non-linear table of int8 levels (ggml-common.h kvalues_iq4nl).
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_levels(q: torch.Tensor) -> torch.Tensor:
+    """4-bit indices (uint8) -> their IQ4 levels, as float32 (exact)."""
+    table = torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=q.device)
+    return table[q.long()]
+
+
+def _iq4_nl(b: torch.Tensor, out: torch.Tensor) -> None:
+    # d | qs[16]: low nibbles are values 0..15, high nibbles 16..31
+    n = b.shape[0]
+    out.copy_(_iq4_levels(_nibbles(b[:, 2:18]).reshape(n, 32)))
+    out.mul_(_f16(b, 0))
+
+
+def _iq4_xs(b: torch.Tensor, out: torch.Tensor) -> None:
+    # d | scales_h (uint16: 2 bits per 32-value group) | scales_l[4] (a nibble per group) | qs[128]
+    n = b.shape[0]
+    low = _nibbles(b[:, 4:8]).transpose(-1, -2).reshape(n, 8)
+    high_bits = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    shifts = torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)
+    high = ((high_bits >> shifts) & 0x03).to(torch.uint8)
+    sc = ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
+    dl = (_f16(b, 0) * sc).reshape(n, 8, 1)
+    o = out.view(n, 8, 32)
+    o.copy_(_iq4_levels(_nibbles(b[:, 8:136].reshape(n, 8, 16)).reshape(n, 8, 32)))
+    o.mul_(dl)
+
+
 _BLOCK_DEQUANT: dict[GGMLType, Callable[[torch.Tensor, torch.Tensor], None]] = {
     GGMLType.Q4_0: _q4_0,
     GGMLType.Q4_1: _q4_1,
@@ -212,6 +244,8 @@ _BLOCK_DEQUANT: dict[GGMLType, Callable[[torch.Tensor, torch.Tensor], None]] = {
     GGMLType.Q4_K: _q4_k,
     GGMLType.Q5_K: _q5_k,
     GGMLType.Q6_K: _q6_k,
+    GGMLType.IQ4_NL: _iq4_nl,
+    GGMLType.IQ4_XS: _iq4_xs,
 }
 
 _FLOAT_DTYPES: dict[GGMLType, torch.dtype] = {

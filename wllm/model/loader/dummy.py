@@ -4,11 +4,13 @@ where nothing can be downloaded. The config dicts are the published config.json 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
 
 from wllm.model.loader.errors import ModelLoadError
+from wllm.model.loader.presets import dummy_quant_type
 from wllm.model.models.base import ModelBase
 
 _LLAMA3_ROPE = {
@@ -163,3 +165,101 @@ def init_dummy_weights(model: ModelBase, seed: int = 0, std: float = 0.02) -> No
                 param.fill_(1.0)  # LayerNorm
             else:
                 param.zero_()
+
+
+# --load-format dummy --quantization NAME: the per-tensor types come from presets.dummy_quant_type.
+
+
+def _scale_fields(ggml_name: str) -> tuple[int, ...]:
+    """Byte offsets of a block's fp16 scale (and min) fields."""
+    return {
+        "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+        "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+    }[ggml_name]
+
+
+def _with_scales(raw: torch.Tensor, fields: tuple[int, ...], values: tuple[float, ...]) -> torch.Tensor:
+    for off, value in zip(fields, values, strict=False):
+        raw[:, off : off + 2] = torch.tensor([value], dtype=torch.float16).view(torch.uint8).to(raw.device)
+    return raw
+
+
+@functools.cache
+def _block_scales(ggml_name: str, std: float) -> tuple[float, ...]:
+    """fp16 (scale, min) for random blocks whose values have mean ~0 and the given std: measured on a sample
+    (each type's sub-scales and quants are random bytes), so every type is calibrated the same way."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from wllm.model.loader.dequant import GGMLType, dequantize
+
+    t = GGMLType[ggml_name]
+    block, nbytes = GGML_QUANT_SIZES[t]
+    gen = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (512, nbytes), dtype=torch.uint8, generator=gen)
+    fields = _scale_fields(ggml_name)
+    x = dequantize(_with_scales(raw.clone(), fields, (1.0, 0.0)), t, (512, block)).double()
+    if len(fields) == 1:
+        return (std / float(x.std()),)
+    y = dequantize(_with_scales(raw.clone(), fields, (0.0, 1.0)), t, (512, block)).double()
+    ratio = -float(x.mean()) / float(y.mean())  # min per unit scale that centres the values
+    scale = std / float((x + ratio * y).std())
+    return scale, scale * ratio
+
+
+def random_quantized(shape: tuple[int, int], ggml_name: str, gen: torch.Generator, std: float = 0.02) -> Any:
+    """A QuantizedTensor of `shape` with random blocks of the type (on the generator's device)."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from wllm.model.loader.dequant import GGMLType
+    from wllm.model.loader.quantized import QuantizedTensor
+
+    t = GGMLType[ggml_name]
+    block, nbytes = GGML_QUANT_SIZES[t]
+    n = shape[0] * shape[1] // block
+    raw = torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=gen, device=gen.device)
+    return QuantizedTensor(_with_scales(raw, _scale_fields(ggml_name), _block_scales(ggml_name, std)), t, shape)
+
+
+def _role(module_name: str, shard: str | None) -> str:
+    if module_name.endswith("lm_head"):
+        return "output"
+    if shard == "v" or module_name.endswith("v_proj"):
+        return "attn_v"
+    if module_name.endswith("down_proj") or module_name.endswith("fc2"):
+        return "ffn_down"
+    return "other"
+
+
+@torch.no_grad()
+def init_dummy_quantized_weights(model: ModelBase, quantization: str, n_layers: int, tied: bool,
+                                 seed: int = 0) -> dict[str, int]:
+    """Overwrite every linear weight and the embedding with random GGUF blocks of `quantization`'s per-tensor
+    types, loaded through the same path as a GGUF file's (dequantized into the parameters today). Returns the
+    count of tensors per GGML type."""
+    import re
+
+    from wllm.model.layers.embedding import VocabEmbedding
+    from wllm.model.layers.linear import Linear, MergedLinear, copy_into
+
+    counts: dict[str, int] = {}
+    gen: torch.Generator | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, (Linear, VocabEmbedding)):
+            continue
+        weight = module.weight
+        if gen is None or gen.device != weight.device:
+            gen = torch.Generator(device=weight.device).manual_seed(seed)
+        match = re.search(r"layers\.(\d+)\.", name)
+        layer = int(match.group(1)) if match else 0
+        if isinstance(module, MergedLinear):
+            parts = [(sid, start, size) for sid, (start, size) in module.shard_offsets.items()]
+        else:
+            parts = [(None, 0, weight.shape[0])]
+        for shard, start, size in parts:
+            role = "output" if isinstance(module, VocabEmbedding) and tied else _role(name, shard)
+            if isinstance(module, VocabEmbedding) and not tied:
+                role = "embed"
+            ggml_name = dummy_quant_type(quantization, role, layer, n_layers, weight.shape[1])
+            copy_into(weight.data.narrow(0, start, size), random_quantized((size, weight.shape[1]), ggml_name, gen))
+            counts[ggml_name] = counts.get(ggml_name, 0) + 1
+    return counts

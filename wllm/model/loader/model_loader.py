@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +19,10 @@ import torch
 
 from wllm.model.config import ConfigError, ModelConfig, parse_dtype
 from wllm.model.layers.linear_method import select_kernels
-from wllm.model.loader.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_weights
+from wllm.model.loader.dummy import DUMMY_CONFIGS, dummy_config, init_dummy_quantized_weights, init_dummy_weights
 from wllm.model.loader.errors import ModelLoadError
 from wllm.model.loader.hf_source import ResolvedSource, resolve_source
+from wllm.model.loader.presets import DUMMY_QUANTIZATIONS
 from wllm.model.loader.safetensors_loader import (
     count_tensors,
     find_safetensors_files,
@@ -79,12 +80,20 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.d
     return chosen
 
 
-def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> ModelBase:
+# Called with the model built on the meta device (shapes and dtypes, no storage) before any memory is
+# allocated for it; raises ValueError when it cannot fit (wllm.engine.memory_plan).
+MemoryCheck = Callable[[ModelBase, ModelConfig, torch.dtype], None]
+
+
+def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                memory_check: MemoryCheck | None = None) -> ModelBase:
     """An uninitialised model of `config`'s architecture on `device` in `dtype`."""
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
         model = cls(config)
     model = model.to(dtype=dtype)
+    if memory_check is not None:
+        memory_check(model, config, dtype)
     model.to_empty(device=device)
     return model.eval()
 
@@ -96,18 +105,27 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     revision: str | None = None,
+    quantization: str | None = None,
+    memory_check: MemoryCheck | None = None,
 ) -> LoadedModel:
     """Load a model from an HF folder, an HF hub id, a (split) GGUF file, or a dummy shape.
 
     `load_format="dummy"` takes a shape name ({shapes}) or any source with a config.json, and
-    fills random weights. Every failure raises ModelLoadError naming the file involved.
+    fills random weights; with `quantization` ({quants}) they are random GGUF blocks of that preset's
+    per-tensor types. `memory_check` sees the model's shapes before its memory is allocated (and may refuse).
+    Every failure raises ModelLoadError naming the file involved.
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load_format {load_format!r}; supported: {', '.join(LOAD_FORMATS)}")
     dev = resolve_device(device)
     text = os.fspath(source)
+    if quantization is not None and load_format != "dummy":
+        raise ModelLoadError(
+            f"quantization={quantization!r} makes random quantized weights and needs load_format='dummy'; "
+            "a GGUF file's tensors keep the types they were saved with"
+        )
     if load_format == "dummy":
-        loaded = _load_dummy(text, dtype, dev, revision)
+        loaded = _load_dummy(text, dtype, dev, revision, quantization, memory_check)
     else:
         resolved = resolve_source(text, revision)
         if load_format == "gguf" and resolved.kind != "gguf":
@@ -115,16 +133,18 @@ def load_model(
         if load_format == "safetensors" and resolved.kind != "hf":
             raise ModelLoadError(f"{resolved.path}: load_format='safetensors' but this is a GGUF file")
         if resolved.kind == "gguf":
-            loaded = _load_gguf(text, resolved.path, dtype, dev)
+            loaded = _load_gguf(text, resolved.path, dtype, dev, memory_check)
         else:
-            loaded = _load_hf(text, resolved, dtype, dev)
+            loaded = _load_hf(text, resolved, dtype, dev, memory_check)
     # The weights are final and on their device: every layer's linear method picks its kernels now.
     select_kernels(loaded.model)
     return loaded
 
 
 if load_model.__doc__:
-    load_model.__doc__ = load_model.__doc__.replace("{shapes}", ", ".join(sorted(DUMMY_CONFIGS)))
+    load_model.__doc__ = load_model.__doc__.replace("{shapes}", ", ".join(sorted(DUMMY_CONFIGS))).replace(
+        "{quants}", ", ".join(DUMMY_QUANTIZATIONS)
+    )
 
 
 def read_hf_config(folder: Path) -> dict[str, Any]:
@@ -161,9 +181,10 @@ def _model_config(hf: dict[str, Any], where: object) -> ModelConfig:
     return config
 
 
-def _construct(config: ModelConfig, dev: torch.device, dtype: torch.dtype, where: object) -> ModelBase:
+def _construct(config: ModelConfig, dev: torch.device, dtype: torch.dtype, where: object,
+               memory_check: MemoryCheck | None = None) -> ModelBase:
     try:
-        return build_model(config, dev, dtype)
+        return build_model(config, dev, dtype, memory_check)
     except torch.OutOfMemoryError:
         raise ModelLoadError(f"{where}: not enough memory on {dev} for the model in {dtype}") from None
     except (ValueError, ConfigError) as e:
@@ -206,12 +227,13 @@ def _progress(items: Iterable[tuple[str, Any]], total: int, nbytes: int, desc: s
             bar.update(1)
 
 
-def _load_hf(source: str, resolved: ResolvedSource, dtype: str | torch.dtype, dev: torch.device) -> LoadedModel:
+def _load_hf(source: str, resolved: ResolvedSource, dtype: str | torch.dtype, dev: torch.device,
+             memory_check: MemoryCheck | None = None) -> LoadedModel:
     folder = resolved.path
     config = _model_config(read_hf_config(folder), folder / "config.json")
     files = find_safetensors_files(folder)
     chosen = resolve_dtype(dtype, config, dev, is_gguf=False)
-    holder = [_construct(config, dev, chosen, folder)]
+    holder = [_construct(config, dev, chosen, folder, memory_check)]
     # safetensors reads straight into CUDA memory; the CPU path memory-maps.
     weights = _progress(
         iter_safetensors(files, dev),
@@ -233,13 +255,14 @@ def _load_hf(source: str, resolved: ResolvedSource, dtype: str | torch.dtype, de
     )
 
 
-def _load_gguf(source: str, path: Path, dtype: str | torch.dtype, dev: torch.device) -> LoadedModel:
+def _load_gguf(source: str, path: Path, dtype: str | torch.dtype, dev: torch.device,
+               memory_check: MemoryCheck | None = None) -> LoadedModel:
     from wllm.model.loader.gguf_loader import GGUFModel
 
     with GGUFModel(path) as gguf:
         config = _model_config(gguf.hf_config, path)
         chosen = resolve_dtype(dtype, config, dev, is_gguf=True)
-        holder = [_construct(config, dev, chosen, path)]
+        holder = [_construct(config, dev, chosen, path, memory_check)]
         nbytes = sum(p.stat().st_size for p in gguf.paths)
         # Quantized weights arrive as packed blocks, moved to `dev` before they are
         # dequantized into the parameter (cheaper than moving float32 values).
@@ -258,7 +281,8 @@ def _load_gguf(source: str, path: Path, dtype: str | torch.dtype, dev: torch.dev
     )
 
 
-def _load_dummy(source: str, dtype: str | torch.dtype, dev: torch.device, revision: str | None) -> LoadedModel:
+def _load_dummy(source: str, dtype: str | torch.dtype, dev: torch.device, revision: str | None,
+                quantization: str | None = None, memory_check: MemoryCheck | None = None) -> LoadedModel:
     path: Path | None = None
     if source.lower() in DUMMY_CONFIGS:
         hf = dummy_config(source)
@@ -275,8 +299,10 @@ def _load_dummy(source: str, dtype: str | torch.dtype, dev: torch.device, revisi
         where = path / "config.json"
     config = _model_config(hf, where)
     chosen = resolve_dtype(dtype, config, dev, is_gguf=False)
-    model = _construct(config, dev, chosen, where)
+    model = _construct(config, dev, chosen, where, memory_check)
     init_dummy_weights(model)
+    if quantization is not None:
+        init_dummy_quantized_weights(model, quantization, config.num_hidden_layers, config.tie_word_embeddings)
     return LoadedModel(
         model=model,
         config=config,
