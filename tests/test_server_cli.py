@@ -16,7 +16,7 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--rate-limit-rpm", "--rate-limit-tpm", "--cors-origin", "--log-format", "--otlp-endpoint",
          "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
          "--no-async-scheduling", "--engine-process", "--no-engine-process", "--stream-interval",
-         "--metrics-auth", "--no-metrics-auth", "--ui", "--no-ui"]
+         "--metrics-auth", "--no-metrics-auth", "--ui", "--no-ui", "--tool-call-parser", "--reasoning-parser"]
 
 
 def serve_args(*argv: str):  # type: ignore[no-untyped-def]
@@ -61,6 +61,13 @@ def test_bad_flag_values_are_rejected_by_argparse() -> None:
         serve_args("--log-format", "xml")
     with pytest.raises(SystemExit):
         serve_args("--stream-interval", "0")
+    with pytest.raises(SystemExit):
+        serve_args("--tool-call-parser", "xml")
+    with pytest.raises(SystemExit):
+        serve_args("--reasoning-parser", "maybe")
+    args = serve_args("--tool-call-parser", "hermes", "--reasoning-parser", "none")
+    assert (args.tool_call_parser, args.reasoning_parser) == ("hermes", "none")
+    assert (serve_args().tool_call_parser, serve_args().reasoning_parser) == ("auto", "auto")
 
 
 def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:

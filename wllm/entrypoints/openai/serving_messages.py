@@ -455,7 +455,7 @@ async def create_message(
 ) -> Response[Any] | Stream:
     chat_req = to_chat_request(req)
     try:
-        start = ChatStart(ctx, chat_req, request, record, request_id=f"msg_{uuid.uuid4().hex}")
+        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=f"msg_{uuid.uuid4().hex}")
     except APIError as exc:
         raise renamed(exc, FIELD_NAMES) from None
     stops = list(req.stop_sequences or [])
