@@ -17,7 +17,8 @@ FLAGS = ["--host", "--port", "--device", "--dtype", "--max-model-len", "--block-
          "--shutdown-timeout", "--tokenizer", "--load-format", "--max-body-size", "--enforce-eager",
          "--no-async-scheduling", "--engine-process", "--no-engine-process", "--stream-interval",
          "--metrics-auth", "--no-metrics-auth", "--max-prompt-chars", "--timeout-keep-alive", "--timeout-header",
-         "--timeout-body", "--max-header-size", "--max-connections", "--ui", "--no-ui"]
+         "--timeout-body", "--max-header-size", "--max-connections", "--ui", "--no-ui", "--tool-call-parser",
+         "--reasoning-parser"]
 CONFIGURATION_MD = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
@@ -86,6 +87,13 @@ def test_bad_flag_values_are_rejected_by_argparse() -> None:
         serve_args("--log-format", "xml")
     with pytest.raises(SystemExit):
         serve_args("--stream-interval", "0")
+    with pytest.raises(SystemExit):
+        serve_args("--tool-call-parser", "xml")
+    with pytest.raises(SystemExit):
+        serve_args("--reasoning-parser", "maybe")
+    args = serve_args("--tool-call-parser", "hermes", "--reasoning-parser", "none")
+    assert (args.tool_call_parser, args.reasoning_parser) == ("hermes", "none")
+    assert (serve_args().tool_call_parser, serve_args().reasoning_parser) == ("auto", "auto")
 
 
 def run_cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:

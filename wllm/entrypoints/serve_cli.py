@@ -130,6 +130,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="name clients use in `model` (repeatable; the first is reported in responses)")
     model.add_argument("--chat-template", default=None,
                        help="chat template: a file, a template string, or the name of one of the model's templates")
+    from wllm.entrypoints.openai.reasoning import REASONING_PARSER_CHOICES
+    from wllm.entrypoints.openai.tool_parsers import TOOL_PARSER_CHOICES
+
+    model.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+                       help="tool-call format of the model's replies; auto: from the chat template's markers "
+                            "(generic: tools described in a system message, calls as JSON)")
+    model.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSER_CHOICES,
+                       help="split <think>...</think> reasoning into reasoning_content; auto: when the chat "
+                            "template has the markers")
     model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length (prompt + completion); default: the model's")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that give no seed")
@@ -411,6 +420,7 @@ def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> 
         server_config = ServerConfig(
             served_model_names=_served_name(args.model, args.served_model_name),
             chat_template=_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
             api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
             cors_origins=args.cors_origin, metrics_auth=args.metrics_auth, ui=args.ui,
             max_body_bytes=max(1, int(args.max_body_size * MiB)), max_prompt_chars=args.max_prompt_chars,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Litestar, Request, Response, Router, get, post
+from litestar import Litestar, Request, Response, Router, delete, get, post
 from litestar.config.cors import CORSConfig
 from litestar.connection import ASGIConnection
 from litestar.datastructures import State
@@ -40,10 +40,14 @@ from wllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from wllm.entrypoints.openai.protocol_anthropic import CountTokensRequest, MessageObject, MessagesRequest, TokenCount
+from wllm.entrypoints.openai.protocol_responses import DeletedResponse, ResponseObject, ResponsesRequest
 from wllm.entrypoints.openai.rate_limit import RateLimited
 from wllm.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_completion
 from wllm.entrypoints.openai.serving_common import STATE_KEY, ClientDisconnected, RequestRecord, ServerContext
 from wllm.entrypoints.openai.serving_completions import create_completion
+from wllm.entrypoints.openai.serving_messages import ANTHROPIC_HANDLERS, by_path, count_tokens, create_message
+from wllm.entrypoints.openai.serving_responses import ResponseStore, create_response, not_found
 from wllm.entrypoints.openai.serving_stats import engine_stats
 from wllm.observability.metrics import CONTENT_TYPE, ServerMetrics
 from wllm.observability.tracing import RequestTracer
@@ -109,6 +113,44 @@ async def completions(
     request: Request[Any, Any, Any], data: JSONBody[CompletionRequest]
 ) -> Response[CompletionResponse]:
     return await create_completion(_ctx(request), data, request, _record(request))  # type: ignore[return-value]
+
+
+def _store(connection: ASGIConnection[Any, Any, Any, Any]) -> ResponseStore:
+    return connection.app.state["responses"]
+
+
+@post("/v1/responses", status_code=200, summary="Create a model response (OpenAI Responses API)")
+async def responses(request: Request[Any, Any, Any], data: JSONBody[ResponsesRequest]) -> Response[ResponseObject]:
+    return await create_response(_ctx(request), _store(request), data, request,  # type: ignore[return-value]
+                                 _record(request))
+
+
+@get("/v1/responses/{response_id:str}", summary="Retrieve a stored response")
+async def retrieve_response(request: Request[Any, Any, Any], response_id: FromPath[str]) -> ResponseObject:
+    entry = _store(request).get(_record(request).key_id, response_id)
+    if entry is None:
+        raise not_found(response_id)
+    return entry.response
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200, summary="Delete a stored response")
+async def delete_response(request: Request[Any, Any, Any], response_id: FromPath[str]) -> DeletedResponse:
+    if not _store(request).delete(_record(request).key_id, response_id):
+        raise not_found(response_id)
+    return DeletedResponse(id=response_id)
+
+
+# Anthropic's routes answer every error, the guard's 401 and 429 included, in Anthropic's error shape.
+@post("/v1/messages", status_code=200, summary="Create a message (Anthropic Messages API)",
+      exception_handlers=ANTHROPIC_HANDLERS)
+async def messages(request: Request[Any, Any, Any], data: JSONBody[MessagesRequest]) -> Response[MessageObject]:
+    return await create_message(_ctx(request), data, request, _record(request))  # type: ignore[return-value]
+
+
+@post("/v1/messages/count_tokens", status_code=200, summary="Count a message request's input tokens",
+      exception_handlers=ANTHROPIC_HANDLERS)
+async def messages_count_tokens(request: Request[Any, Any, Any], data: JSONBody[CountTokensRequest]) -> TokenCount:
+    return await _ctx(request).prep.run(_record(request).body_bytes, count_tokens, _ctx(request), data)
 
 
 def _card(ctx: ServerContext, name: str) -> ModelCard:
@@ -195,15 +237,20 @@ async def openapi_json(request: Request[Any, Any, Any]) -> dict[str, Any]:
 # The OpenAI routes also answer without `/v1`, as llama-server's do and many clients expect: the same
 # handlers (and so the same guard and body limit), kept out of the OpenAPI schema so it lists each once.
 UNPREFIXED = {"/chat/completions": chat_completions, "/completions": completions, "/models": list_models,
-              "/models/{model_id:path}": retrieve_model}
+              "/models/{model_id:path}": retrieve_model, "/responses": responses,
+              "/responses/{response_id:str}": retrieve_response, "/messages": messages,
+              "/messages/count_tokens": messages_count_tokens}
+UNPREFIXED_DELETE = {"/responses/{response_id:str}": delete_response}
 
 
 def _unprefixed_aliases() -> list[BaseRouteHandler]:
     aliases: list[BaseRouteHandler] = []
-    for path, handler in UNPREFIXED.items():
-        decorator = post if "POST" in handler.http_methods else get
-        kwargs: dict[str, Any] = {"status_code": 200} if decorator is post else {}
-        aliases.append(decorator(path, include_in_schema=False, summary=handler.summary, **kwargs)(handler.fn))
+    for table, method in ((UNPREFIXED, None), (UNPREFIXED_DELETE, delete)):
+        for path, handler in table.items():
+            decorator = method or (post if "POST" in handler.http_methods else get)
+            kwargs: dict[str, Any] = {"status_code": 200} if decorator is not get else {}
+            aliases.append(decorator(path, include_in_schema=False, summary=handler.summary,
+                                     exception_handlers=handler.exception_handlers, **kwargs)(handler.fn))
     return aliases
 
 
@@ -227,8 +274,9 @@ def create_app(
     ctx = ServerContext(engine, config, metrics, tracer)
     api = Router(path="/", guards=[access_guard],
                  route_handlers=[chat_completions, completions, list_models, retrieve_model, tokenize, detokenize,
+                                 responses, retrieve_response, delete_response, messages, messages_count_tokens,
                                  *_unprefixed_aliases()])
-    handlers = dict(EXCEPTION_HANDLERS)
+    handlers = {cls: by_path(handler) for cls, handler in EXCEPTION_HANDLERS.items()}
     handlers[ClientDisconnected] = _disconnected
     cors = None
     if config.cors_origins:
@@ -248,7 +296,7 @@ def create_app(
         request_class=StrictRequest,  # bounded nesting, strict types, no unknown fields (decoding.py)
         openapi_config=OpenAPIConfig(title="wLLM", version=__version__, path="/docs",
                                      description="OpenAI-compatible LLM inference server"),
-        state=State({"server": ctx}),
+        state=State({"server": ctx, "responses": ResponseStore()}),
         on_shutdown=[ctx.prep.shutdown],
         logging_config=None,
         debug=False,

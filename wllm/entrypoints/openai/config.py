@@ -34,6 +34,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_logit_bias: int = 1024
     max_logprobs: int = 20
     retry_after_s: int = 1  # Retry-After sent with 503 when the queue is full or the engine is down
+    tool_call_parser: str = "auto"  # tool-call format: auto (from the chat template) or a name in tool_parsers
+    reasoning_parser: str = "auto"  # <think> reasoning: auto (from the chat template), none, qwen3, deepseek_r1
 
     def __repr__(self) -> str:
         # API keys must never appear in logs or tracebacks.
@@ -47,6 +49,15 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         for name in ("max_body_bytes", "max_n", "max_stop", "max_stop_chars", "max_logit_bias", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        from wllm.entrypoints.openai.reasoning import REASONING_PARSER_CHOICES
+        from wllm.entrypoints.openai.tool_parsers import TOOL_PARSER_CHOICES
+
+        if self.tool_call_parser not in TOOL_PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_CHOICES)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in REASONING_PARSER_CHOICES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_CHOICES)}, "
+                             f"got {self.reasoning_parser!r}")
         for name in ("rate_limit_rpm", "rate_limit_tpm", "max_prompt_chars"):
             value = getattr(self, name)
             if value is not None and value <= 0:

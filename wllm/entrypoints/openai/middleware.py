@@ -26,7 +26,9 @@ access_log = logging.getLogger("wllm.access")
 KNOWN_ENDPOINTS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id:path}", "/tokenize",
     "/detokenize", "/health", "/metrics", "/version", "/openapi.json",
+    "/v1/responses", "/v1/responses/{response_id:str}", "/v1/messages", "/v1/messages/count_tokens",
     "/chat/completions", "/completions", "/models", "/models/{model_id:path}",  # the routes without /v1
+    "/responses", "/responses/{response_id:str}", "/messages", "/messages/count_tokens",
     "/v1/engine/stats", "/", "/ui/{name:str}",  # the web UI's stats and files
 })
 QUIET_ENDPOINTS = frozenset({"/health", "/metrics", "/v1/engine/stats"})  # polled; logged at debug level only

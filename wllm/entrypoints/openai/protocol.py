@@ -40,11 +40,46 @@ class ContentPart(_Strict, kw_only=True):
     file: Any = None
 
 
+class FunctionCallParam(_Strict, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it (checked to parse)
+
+
+class ToolCallParam(_Strict, kw_only=True):
+    """A call in an assistant turn of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class FunctionDefinition(_Strict, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
+    # Accepted: calls generated under a grammar always follow the schema, strict or not.
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(_Strict, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Strict, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None
     tool_call_id: str | None = None
     # An assistant turn's reasoning, handed to the chat template (templates read `reasoning_content`).
     reasoning_content: str | None = None
@@ -95,11 +130,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Tools are rendered into the prompt by the chat template; the reply is returned as text (no
-    # tool-call parsing), so only tool_choice "none" and "auto" are honoured.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    # Accepted, no effect: a reply never has more than one tool call (it has none).
+    # Tool calling (wllm/entrypoints/openai/chat_tools.py, docs/tools.md).
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # The deprecated functions API: refused when set (send `tools`).
     functions: list[dict[str, Any]] | None = None
@@ -164,9 +197,22 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatLogprobToken]
 
 
-class ChatResponseMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | None
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatCompletionChoice(msgspec.Struct):
@@ -187,9 +233,25 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A call's first delta has its id, type and name (arguments ""); later ones add argument text."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: DeltaFunctionCall | UnsetType = UNSET
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):

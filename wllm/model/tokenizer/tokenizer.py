@@ -414,6 +414,11 @@ class Tokenizer:
             **variables,
         )
 
+    def select_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
+        """The template `apply_chat_template` would render with (tool-call and reasoning formats are read from
+        its text); raises ChatTemplateError when there is none."""
+        return self._select_template(chat_template, tools)
+
     def _select_template(self, chat_template: str | None, tools: Any) -> str:
         named = self.chat_templates
         if chat_template is not None:
