@@ -20,7 +20,15 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from wllm.entrypoints.openai.chat_view import ViewChat, ViewMessage, ViewUsage, convert_at, renamed, view
+from wllm.entrypoints.openai.chat_view import (
+    ViewChat,
+    ViewMessage,
+    ViewUsage,
+    convert_at,
+    renamed,
+    typed_chat_request,
+    view,
+)
 from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, ErrorResponse, bad_request
 from wllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from wllm.entrypoints.openai.protocol import ContentPart as ChatContentPart
@@ -287,7 +295,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         raise bad_request(f"temperature must be in [0, 1], got {req.temperature}", param="temperature")
     choice = req.tool_choice
     fmt = req.output_config.format if req.output_config is not None else None
-    return ChatCompletionRequest(
+    return typed_chat_request(ChatCompletionRequest(
         model=req.model,
         messages=to_chat_messages(req.system, req.messages),
         max_tokens=req.max_tokens,
@@ -306,7 +314,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         user=req.metadata.user_id if req.metadata is not None else None,
         stream=req.stream,
         stream_options=StreamOptions(include_usage=True) if req.stream else None,
-    )
+    ))
 
 
 # ---------------------------------------------------------------- chat -> message

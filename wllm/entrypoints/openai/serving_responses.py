@@ -25,7 +25,15 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from wllm.entrypoints.openai.chat_view import ViewChat, ViewMessage, ViewUsage, convert_at, renamed, view
+from wllm.entrypoints.openai.chat_view import (
+    ViewChat,
+    ViewMessage,
+    ViewUsage,
+    convert_at,
+    renamed,
+    typed_chat_request,
+    view,
+)
 from wllm.entrypoints.openai.errors import APIError, bad_request
 from wllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from wllm.entrypoints.openai.protocol import ContentPart as ChatContentPart
@@ -322,7 +330,7 @@ def to_chat_request(req: ResponsesRequest, items: list[InputItem], first: int = 
         messages.insert(0, ChatMessage(role="system", content=req.instructions))
     if not messages:
         raise bad_request("input must contain at least one item", param="input")
-    return ChatCompletionRequest(
+    return typed_chat_request(ChatCompletionRequest(
         model=req.model,
         messages=messages,
         max_tokens=req.max_output_tokens,
@@ -335,7 +343,7 @@ def to_chat_request(req: ResponsesRequest, items: list[InputItem], first: int = 
         user=req.user,
         stream=req.stream,
         stream_options=StreamOptions(include_usage=True) if req.stream else None,
-    )
+    ))
 
 
 # ---------------------------------------------------------------- chat -> response
