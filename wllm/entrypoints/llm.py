@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from wllm.engine.llm_engine import LLMEngine
-from wllm.model.pooling import embed_input, pair_input
+from wllm.model.pooling import check_dimensions, embed_input, pair_input
 from wllm.outputs import RequestOutput
 from wllm.pooling_params import PoolingParams
 from wllm.sampling_params import SamplingParams
@@ -119,6 +119,9 @@ class LLM:
         batch = [texts] if isinstance(texts, str) else list(texts)
         if batch and all(isinstance(t, int) for t in batch):
             batch = [batch]  # type: ignore[list-item]
+        why = check_dimensions(self.engine.pooling, dimensions)  # type: ignore[arg-type]
+        if why is not None:
+            raise ValueError(why)
         params = PoolingParams(dimensions=dimensions)
         prompts = [embed_input(self.engine.tokenizer, t, self.engine.max_model_len, truncate_prompt_tokens)
                    for t in batch]  # type: ignore[arg-type]

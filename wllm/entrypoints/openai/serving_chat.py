@@ -111,7 +111,7 @@ def chat_logprobs(ctx: ServerContext, steps: list[StepLogprobs], top_n: int) -> 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request[Any, Any, Any],
                                  record: RequestRecord) -> Response[Any] | Stream:
-    ctx.check_model(req.model)
+    ctx = ctx.route(req.model, "/v1/chat/completions", ("generate",))
     ctx.check_healthy()
     reject_unsupported(req)
     if req.functions is not None or req.function_call is not None:
