@@ -58,6 +58,7 @@ def _cos(a: list[float], b: torch.Tensor) -> float:
     return F.cosine_similarity(torch.tensor(a), b.float(), dim=0).item()
 
 
+@pytest.mark.slow  # sentence-transformers' import and load
 def test_minilm_matches_sentence_transformers(minilm: LLM, st_model) -> None:
     assert minilm.task == "embed" and minilm.engine.max_model_len == 256  # sentence_bert_config.json
     with one_thread():
@@ -71,6 +72,7 @@ def test_minilm_matches_sentence_transformers(minilm: LLM, st_model) -> None:
     assert _cos(ours[0], ref[1]) < 0.9
 
 
+@pytest.mark.slow  # sentence-transformers' import and load
 def test_long_input_error_and_truncation(minilm: LLM, st_model) -> None:
     text = "word " * 400
     with pytest.raises(InputTooLongError, match=r"maximum input length is 256 tokens.*402 tokens"):
@@ -85,6 +87,7 @@ def test_long_input_error_and_truncation(minilm: LLM, st_model) -> None:
         minilm.generate("hello")
 
 
+@pytest.mark.slow  # sentence-transformers' import and load
 def test_embed_model_scores_by_cosine(minilm: LLM, st_model) -> None:
     docs = ["Paris is the capital of France.", "Bananas are yellow.", "France's capital city is Paris."]
     with one_thread():
@@ -102,9 +105,16 @@ def _tokenizer_files(folder: Path) -> None:
 
 @pytest.mark.parametrize("activation", ["sigmoid", "identity"])
 def test_bert_cross_encoder_matches_hf(tmp_path: Path, activation: str) -> None:
-    config = tf.BertConfig(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, max_position_embeddings=128, num_labels=1,
-                           architectures=["BertForSequenceClassification"])
+    config = tf.BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        num_labels=1,
+        architectures=["BertForSequenceClassification"],
+    )
     if activation == "identity":
         config.sentence_transformers = {"activation_fn": "torch.nn.modules.linear.Identity"}
     torch.manual_seed(0)
@@ -129,8 +139,10 @@ def test_bert_cross_encoder_matches_hf(tmp_path: Path, activation: str) -> None:
 
 
 def _st_folder(folder: Path, pooling: str, normalize: bool = True) -> None:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
     if normalize:
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (folder / "modules.json").write_text(json.dumps(modules))
@@ -186,8 +198,9 @@ def test_causal_lm_given_the_embed_task_mean_pooling(tmp_path: Path) -> None:
 def test_gguf_decoder_embedder(tmp_path: Path) -> None:
     hf = tiny_hf_model("qwen3", tie_word_embeddings=True)
     cfg = hf.config.to_dict()
-    [path] = write_gguf(tmp_path / "emb.gguf", cfg, hf.state_dict(), GGMLType.F32,
-                        extra_metadata={"qwen3.pooling_type": 3})  # llama.cpp's LLAMA_POOLING_TYPE_LAST
+    [path] = write_gguf(
+        tmp_path / "emb.gguf", cfg, hf.state_dict(), GGMLType.F32, extra_metadata={"qwen3.pooling_type": 3}
+    )  # llama.cpp's LLAMA_POOLING_TYPE_LAST
     seqs = prompts((7, 20))
     with one_thread(), LLM(str(path), device="cpu", tokenizer=str(minilm_path())) as llm:
         assert llm.task == "embed"
@@ -204,8 +217,9 @@ def test_yes_no_reranker_head(tmp_path: Path) -> None:
     from wllm.pooling_params import PoolingParams
 
     loaded = load_model(tmp_path, dtype="float32")
-    loaded.model.pooling = PoolingConfig(task="rerank", pooling="last", normalize=False, head="yes_no",
-                                         yes_no_ids=(5, 7), dimension=1)
+    loaded.model.pooling = PoolingConfig(
+        task="rerank", pooling="last", normalize=False, head="yes_no", yes_no_ids=(5, 7), dimension=1
+    )
     engine = LLMEngine(loaded.model, None)
     seqs = prompts((10, 25, 3))
     with one_thread():

@@ -21,9 +21,18 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     default_model_path()  # fetch outside the server's start-up deadline
-    s = ServerProcess([DEFAULT_MODEL_NAME, f"minilm={minilm_path()}", "--max-model-len", "512",
-                       "--kv-cache-memory", "0.25", "--no-engine-process"],
-                      tmp_path_factory.mktemp("multi") / "server.log")
+    s = ServerProcess(
+        [
+            DEFAULT_MODEL_NAME,
+            f"minilm={minilm_path()}",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory",
+            "0.25",
+            "--no-engine-process",
+        ],
+        tmp_path_factory.mktemp("multi") / "server.log",
+    )
     yield s
     s.stop()
 
@@ -35,8 +44,12 @@ def test_chat_and_embeddings_concurrently(server: ServerProcess) -> None:
     assert models == {DEFAULT_MODEL_NAME: "generate", "minilm": "embed"}
 
     def chat() -> str:
-        r = client.chat.completions.create(model=DEFAULT_MODEL_NAME, temperature=0, max_tokens=12,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        r = client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            temperature=0,
+            max_tokens=12,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         return r.choices[0].message.content or ""
 
     def embed(i: int) -> list[list[float]]:
@@ -52,10 +65,19 @@ def test_chat_and_embeddings_concurrently(server: ServerProcess) -> None:
     assert all(len(v) == 3 and len(v[0]) == 384 for v in vectors)
     assert max(abs(a - b) for a, b in zip(vectors[0][1], vectors[3][1])) < 1e-5  # same text, same embedding
 
-    r = httpx.post(f"{server.root}/v1/rerank", timeout=60, json={
-        "model": "minilm", "query": "What is the capital of France?",
-        "documents": ["Bananas are yellow.", "Paris is the capital of France."]}).json()
+    r = httpx.post(
+        f"{server.root}/v1/rerank",
+        timeout=60,
+        json={
+            "model": "minilm",
+            "query": "What is the capital of France?",
+            "documents": ["Bananas are yellow.", "Paris is the capital of France."],
+        },
+    ).json()
     assert [x["index"] for x in r["results"]] == [1, 0]
-    bad = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
-                     json={"model": "minilm", "messages": [{"role": "user", "content": "hi"}]})
+    bad = httpx.post(
+        f"{server.base_url}/chat/completions",
+        timeout=60,
+        json={"model": "minilm", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert bad.status_code == 400 and "embed model" in bad.json()["error"]["message"]

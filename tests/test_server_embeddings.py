@@ -27,9 +27,16 @@ from wllm.entrypoints.openai.config import ServerConfig
 
 
 def _cross_encoder(folder: Path) -> None:
-    config = tf.BertConfig(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, max_position_embeddings=64, num_labels=1,
-                           architectures=["BertForSequenceClassification"])
+    config = tf.BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        num_labels=1,
+        architectures=["BertForSequenceClassification"],
+    )
     torch.manual_seed(0)
     hf = tf.BertForSequenceClassification(config).eval()
     randomize(hf)
@@ -47,8 +54,14 @@ def app_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]
         rerank = AsyncEngine(LLMEngine.from_pretrained(str(ce), device="cpu"))
     chat = ScriptedEngine()
     base = ServerConfig(served_model_names=["chat"])
-    app = create_app(chat, base, extra_models=[
-        (embed, ServerConfig(served_model_names=["minilm"])), (rerank, ServerConfig(served_model_names=["ce"]))])
+    app = create_app(
+        chat,
+        base,
+        extra_models=[
+            (embed, ServerConfig(served_model_names=["minilm"])),
+            (rerank, ServerConfig(served_model_names=["ce"])),
+        ],
+    )
     with TestClient(app) as client:
         yield client
     embed.shutdown(close_engine=True)
@@ -75,8 +88,9 @@ def test_openai_client_embeddings_float_and_base64(app_client: TestClient, oracl
     assert [d.index for d in got.data] == [0, 1, 2] and got.model == "minilm"
     for d, w in zip(got.data, want):
         assert len(d.embedding) == 384 and max(abs(a - b) for a, b in zip(d.embedding, w)) < 1e-5
-    assert got.usage.prompt_tokens == got.usage.total_tokens == sum(
-        len(oracle.engine.tokenizer.encode(t)) for t in texts)
+    assert (
+        got.usage.prompt_tokens == got.usage.total_tokens == sum(len(oracle.engine.tokenizer.encode(t)) for t in texts)
+    )
     # The client's default asks for base64 and decodes it (little-endian float32).
     b64 = client.embeddings.create(model="minilm", input="hello world")
     assert max(abs(a - b) for a, b in zip(b64.data[0].embedding, want[0])) < 1e-6
@@ -101,29 +115,36 @@ def _error(response, status: int, param: str | None = None, code: str | None = N
     return err["message"]
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": []}, "input"),
-    ({"input": ""}, "input"),
-    ({"input": ["ok", ""]}, "input"),
-    ({"input": [[]]}, "input"),
-    ({"input": [1.5, 2]}, "input"),
-    ({"input": [["a"], [1]]}, "input"),
-    ({"input": [{"text": "a"}]}, "input"),
-    ({"input": [10**9]}, "input"),
-    ({"input": 5}, "input"),
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": "x", "dimensions": 8}, "dimensions"),
-    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"input": "x", "unknown": 1}, "unknown"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": []}, "input"),
+        ({"input": ""}, "input"),
+        ({"input": ["ok", ""]}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": [1.5, 2]}, "input"),
+        ({"input": [["a"], [1]]}, "input"),
+        ({"input": [{"text": "a"}]}, "input"),
+        ({"input": [10**9]}, "input"),
+        ({"input": 5}, "input"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "x", "dimensions": 8}, "dimensions"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": "x", "unknown": 1}, "unknown"),
+    ],
+)
 def test_embeddings_bad_input(app_client: TestClient, body: dict, param: str) -> None:
     _error(app_client.post("/v1/embeddings", json={"model": "minilm", **body}), 400, param)
 
 
 def test_too_long_and_truncation(app_client: TestClient, oracle: LLM) -> None:
     text = "word " * 300
-    msg = _error(app_client.post("/v1/embeddings", json={"model": "minilm", "input": text}), 400, "input",
-                 "context_length_exceeded")
+    msg = _error(
+        app_client.post("/v1/embeddings", json={"model": "minilm", "input": text}),
+        400,
+        "input",
+        "context_length_exceeded",
+    )
     assert "256" in msg and "302" in msg
     ok = app_client.post("/v1/embeddings", json={"model": "minilm", "input": text, "truncate_prompt_tokens": -1})
     assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 256
@@ -140,8 +161,12 @@ def test_routing_and_tasks(app_client: TestClient) -> None:
     # No model named: each route takes the first model that can serve it.
     assert app_client.post("/v1/embeddings", json={"input": "x"}).json()["model"] == "minilm"
     assert app_client.post("/v1/chat/completions", json={"messages": msgs}).status_code == 200
-    msg = _error(app_client.post("/v1/chat/completions", json={"model": "minilm", "messages": msgs}), 400, "model",
-                 "model_task_mismatch")
+    msg = _error(
+        app_client.post("/v1/chat/completions", json={"model": "minilm", "messages": msgs}),
+        400,
+        "model",
+        "model_task_mismatch",
+    )
     assert "`minilm` is an embed model" in msg
     _error(app_client.post("/v1/embeddings", json={"model": "chat", "input": "x"}), 400, "model")
     assert "rerank model" in _error(app_client.post("/v1/embeddings", json={"model": "ce", "input": "x"}), 400)
@@ -153,8 +178,12 @@ def test_routing_and_tasks(app_client: TestClient) -> None:
     assert app_client.get("/health").status_code == 200
 
 
-DOCS = ["The Eiffel Tower is in Paris, the capital of France.", "Bananas are rich in potassium.",
-        "Paris is the capital and largest city of France.", "The stock market fell on Tuesday."]
+DOCS = [
+    "The Eiffel Tower is in Paris, the capital of France.",
+    "Bananas are rich in potassium.",
+    "Paris is the capital and largest city of France.",
+    "The stock market fell on Tuesday.",
+]
 QUERY = "What is the capital of France?"
 
 
@@ -188,17 +217,20 @@ def test_rerank_and_score_with_cross_encoder(app_client: TestClient, tmp_path: P
     assert [round(d["score"], 6) for d in pairwise["data"]] == [round(w, 6) for w in want[:2]]
 
 
-@pytest.mark.parametrize("route, body, param", [
-    ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
-    ("/v1/rerank", {"query": "", "documents": ["d"]}, "query"),
-    ("/v1/rerank", {"query": "q", "documents": ["d", 3]}, "documents"),
-    ("/v1/rerank", {"query": "q", "documents": [{"text": "d", "title": "t"}]}, "documents"),
-    ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
-    ("/v1/rerank", {"query": "q", "documents": ["word " * 600]}, "documents"),
-    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
-    ("/v1/score", {"text_1": [], "text_2": "c"}, "text_1"),
-    ("/v1/score", {"text_1": "a", "text_2": 5}, "text_2"),
-])
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+        ("/v1/rerank", {"query": "", "documents": ["d"]}, "query"),
+        ("/v1/rerank", {"query": "q", "documents": ["d", 3]}, "documents"),
+        ("/v1/rerank", {"query": "q", "documents": [{"text": "d", "title": "t"}]}, "documents"),
+        ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": 0}, "top_n"),
+        ("/v1/rerank", {"query": "q", "documents": ["word " * 600]}, "documents"),
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+        ("/v1/score", {"text_1": [], "text_2": "c"}, "text_1"),
+        ("/v1/score", {"text_1": "a", "text_2": 5}, "text_2"),
+    ],
+)
 def test_rerank_score_bad_input(app_client: TestClient, route: str, body: dict, param: str) -> None:
     for model in ("minilm", "ce"):
         _error(app_client.post(route, json={"model": model, **body}), 400, param)

@@ -25,9 +25,9 @@ from wllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from wllm.engine.block_pool import KVBlock
-    from wllm.pooling_params import PoolingParams
     from wllm.engine.sampler import SamplingRow
     from wllm.engine.stop_checker import TextState
+    from wllm.pooling_params import PoolingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -28,15 +28,18 @@ TASKS = ("generate", "embed", "rerank")
 Task = Literal["generate", "embed", "rerank"]
 
 # Headless decoders (checkpoints saved from the base model, without an LM head): embedders.
-_EMBED_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining", "Qwen2Model",
-                                  "Qwen3Model", "LlamaModel"})
+_EMBED_ARCHITECTURES = frozenset(
+    {"BertModel", "BertForMaskedLM", "BertForPreTraining", "Qwen2Model", "Qwen3Model", "LlamaModel"}
+)
 _CLASSIFY_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
 _ST_MODULES = "sentence_transformers.models."
 
 # Qwen3-Reranker's published prompt format: the model answers "yes" or "no" after it.
-YES_NO_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
-                 "the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"
-                 "<|im_start|>user\n")
+YES_NO_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and "
+    'the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n"
+)
 YES_NO_BODY = "<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
 YES_NO_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 YES_NO_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
@@ -67,8 +70,12 @@ def task_of(pooling: PoolingConfig | None) -> Task:
     return "generate" if pooling is None else pooling.task
 
 
-def resolve_pooling(config: ModelConfig, path: Path | None, tokenizer: Any | None, task: str = "auto",
-                    ) -> PoolingConfig | None:
+def resolve_pooling(
+    config: ModelConfig,
+    path: Path | None,
+    tokenizer: Any | None,
+    task: str = "auto",
+) -> PoolingConfig | None:
     """The model's pooling (None: a generative model). `task` "auto" detects it from the files and the
     architecture; "generate", "embed" or "rerank" says it. Raises ModelLoadError for what cannot work."""
     if task not in ("auto", *TASKS):
@@ -89,8 +96,10 @@ def resolve_pooling(config: ModelConfig, path: Path | None, tokenizer: Any | Non
             return None
     if task == "generate":
         if arch in _EMBED_ARCHITECTURES or arch in _CLASSIFY_ARCHITECTURES:
-            raise ModelLoadError(f"{where}: {arch} has no language-model head, so it cannot generate; "
-                                 "its tasks: embed" + (", rerank" if arch in _CLASSIFY_ARCHITECTURES else ""))
+            raise ModelLoadError(
+                f"{where}: {arch} has no language-model head, so it cannot generate; "
+                "its tasks: embed" + (", rerank" if arch in _CLASSIFY_ARCHITECTURES else "")
+            )
         return None
     causal = config.model_type != "bert"
     matryoshka = _matryoshka(raw)
@@ -99,17 +108,27 @@ def resolve_pooling(config: ModelConfig, path: Path | None, tokenizer: Any | Non
         labels = _num_labels(raw)
         if labels != 1:
             raise ModelLoadError(f"{where}: a cross-encoder for rerank needs one output label, this one has {labels}")
-        return PoolingConfig(task="rerank", pooling="cls", normalize=False, head="classify",
-                             activation=_activation(raw), dimension=1, max_seq_len=max_seq)
+        return PoolingConfig(
+            task="rerank",
+            pooling="cls",
+            normalize=False,
+            head="classify",
+            activation=_activation(raw),
+            dimension=1,
+            max_seq_len=max_seq,
+        )
     if task == "rerank":
         if not causal:
-            raise ModelLoadError(f"{where}: {arch} has no classification head, so it cannot rerank on its own; "
-                                 "serve it as an embed model (rerank and score then compare embeddings)")
+            raise ModelLoadError(
+                f"{where}: {arch} has no classification head, so it cannot rerank on its own; "
+                "serve it as an embed model (rerank and score then compare embeddings)"
+            )
         if tokenizer is None:
             raise ModelLoadError(f"{where}: a yes/no reranker needs its tokenizer to find the 'yes' and 'no' tokens")
         ids = [_single_token(tokenizer, word, where) for word in ("yes", "no")]
-        return PoolingConfig(task="rerank", pooling="last", normalize=False, head="yes_no",
-                             yes_no_ids=(ids[0], ids[1]), dimension=1)
+        return PoolingConfig(
+            task="rerank", pooling="last", normalize=False, head="yes_no", yes_no_ids=(ids[0], ids[1]), dimension=1
+        )
     if arch in _CLASSIFY_ARCHITECTURES:
         raise ModelLoadError(f"{where}: {arch} is a cross-encoder; its task is rerank, not embed")
     # embed
@@ -121,8 +140,14 @@ def resolve_pooling(config: ModelConfig, path: Path | None, tokenizer: Any | Non
         pooling, normalize = "last", True  # Qwen3-Embedding / gte-Qwen2 style
     else:
         pooling, normalize = "mean", False  # what sentence-transformers does with a plain encoder
-    return PoolingConfig(task="embed", pooling=pooling, normalize=normalize, dimension=config.hidden_size,
-                         matryoshka=matryoshka, max_seq_len=max_seq)
+    return PoolingConfig(
+        task="embed",
+        pooling=pooling,
+        normalize=normalize,
+        dimension=config.hidden_size,
+        matryoshka=matryoshka,
+        max_seq_len=max_seq,
+    )
 
 
 def _sentence_transformers(folder: Path) -> dict[str, Any] | None:
@@ -144,8 +169,10 @@ def _sentence_transformers(folder: Path) -> dict[str, Any] | None:
         elif kind == "Pooling":
             pooling = _st_pooling(folder / str(module.get("path", "")) / "config.json")
         else:
-            raise ModelLoadError(f"{modules_path}: sentence-transformers module {kind or module!r} is not supported "
-                                 "(supported: Transformer, Pooling, Normalize)")
+            raise ModelLoadError(
+                f"{modules_path}: sentence-transformers module {kind or module!r} is not supported "
+                "(supported: Transformer, Pooling, Normalize)"
+            )
     if pooling is None:
         raise ModelLoadError(f"{modules_path}: no Pooling module")
     out: dict[str, Any] = {"pooling": pooling, "normalize": normalize}
@@ -163,8 +190,10 @@ def _st_pooling(path: Path) -> str:
     chosen = [mode for key, mode in modes.items() if cfg.get(key)]
     others = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v and k not in modes]
     if others or len(chosen) != 1:
-        raise ModelLoadError(f"{path}: pooling {', '.join(others + chosen) or 'none'} is not supported "
-                             "(exactly one of CLS, mean or last-token pooling)")
+        raise ModelLoadError(
+            f"{path}: pooling {', '.join(others + chosen) or 'none'} is not supported "
+            "(exactly one of CLS, mean or last-token pooling)"
+        )
     if cfg.get("include_prompt") is False:
         raise ModelLoadError(f"{path}: include_prompt=false (pooling without the instruction) is not supported")
     return chosen[0]
@@ -204,8 +233,9 @@ def _matryoshka(raw: dict[str, Any]) -> list[int] | None:
 def _single_token(tokenizer: Any, word: str, where: object) -> int:
     ids = tokenizer.encode(word, add_special_tokens=False)
     if len(ids) != 1:
-        raise ModelLoadError(f"{where}: {word!r} is not a single token of this tokenizer, so it cannot be a "
-                             "yes/no reranker")
+        raise ModelLoadError(
+            f"{where}: {word!r} is not a single token of this tokenizer, so it cannot be a yes/no reranker"
+        )
     return int(ids[0])
 
 
@@ -218,8 +248,10 @@ def check_dimensions(pooling: PoolingConfig, dimensions: int | None) -> str | No
     if pooling.matryoshka is None:
         if dimensions == pooling.dimension:
             return None
-        return (f"this model does not support matryoshka (truncated) embeddings; its embeddings have "
-                f"{pooling.dimension} dimensions")
+        return (
+            f"this model does not support matryoshka (truncated) embeddings; its embeddings have "
+            f"{pooling.dimension} dimensions"
+        )
     allowed = pooling.matryoshka
     if not 1 <= dimensions <= pooling.dimension or (allowed and dimensions not in allowed):
         sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {pooling.dimension}"
@@ -241,15 +273,18 @@ def truncate_ids(ids: list[int], limit: int, special_ids: frozenset[int]) -> lis
     if len(ids) <= limit:
         return ids
     keep = min(trailing_specials(ids, special_ids), max(limit - 1, 0))
-    return ids[:limit - keep] + (ids[len(ids) - keep:] if keep else [])
+    return ids[: limit - keep] + (ids[len(ids) - keep :] if keep else [])
 
 
 def pair_prompt(tokenizer: Any, pooling: PoolingConfig, query: str, document: str) -> tuple[list[int], int]:
     """The token ids of one (query, document) pair for a model that scores pairs, and the index where the
     document's token type starts (-1: no token types)."""
     if pooling.head == "yes_no":
-        text = YES_NO_PREFIX + YES_NO_BODY.format(instruction=YES_NO_INSTRUCTION, query=query,
-                                                  document=document) + YES_NO_SUFFIX
+        text = (
+            YES_NO_PREFIX
+            + YES_NO_BODY.format(instruction=YES_NO_INSTRUCTION, query=query, document=document)
+            + YES_NO_SUFFIX
+        )
         return tokenizer.encode(text, add_special_tokens=False), -1
     return tokenizer.encode_pair(query, document)
 
@@ -261,18 +296,23 @@ def truncate_pair(ids: list[int], type_start: int, limit: int, special_ids: froz
     keep = trailing_specials(ids, special_ids)
     if type_start >= 0 and limit - keep <= type_start:
         raise ValueError(f"the query alone takes {type_start} tokens; it cannot be truncated to {limit}")
-    return ids[:limit - keep] + (ids[len(ids) - keep:] if keep else [])
+    return ids[: limit - keep] + (ids[len(ids) - keep :] if keep else [])
 
 
 # ------------------------------------------------------------------------------------------------ pooling
 @torch.inference_mode()
-def pool(model: Any, pooling: PoolingConfig, hidden: torch.Tensor, spans: Sequence[tuple[int, int]],
-         params: Sequence[PoolingParams]) -> list[list[float]]:
+def pool(
+    model: Any,
+    pooling: PoolingConfig,
+    hidden: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    params: Sequence[PoolingParams],
+) -> list[list[float]]:
     """One output per span (start token, length) of `hidden` [T, H]: the embedding, or the relevance score."""
     if not spans:
         return []
     if pooling.pooling == "mean":
-        rows = torch.stack([hidden[s:s + n].float().mean(0) for s, n in spans])
+        rows = torch.stack([hidden[s : s + n].float().mean(0) for s, n in spans])
     else:
         index = [s if pooling.pooling == "cls" else s + n - 1 for s, n in spans]
         rows = hidden[torch.tensor(index, device=hidden.device)]
@@ -293,7 +333,7 @@ def pool(model: Any, pooling: PoolingConfig, hidden: torch.Tensor, spans: Sequen
         return rows.tolist()
     for row, p in zip(rows, params):
         if p.dimensions is not None:
-            row = row[:p.dimensions]
+            row = row[: p.dimensions]
         if pooling.normalize:
             row = F.normalize(row, dim=-1)
         out.append(row.tolist())
@@ -313,12 +353,15 @@ def _limit(max_len: int, truncate: int | None) -> int:
 
 
 def _too_long(n: int, max_len: int, what: str) -> InputTooLongError:
-    return InputTooLongError(f"This model's maximum input length is {max_len} tokens. However, the {what} has "
-                             f"{n} tokens. Shorten it, or set truncate_prompt_tokens to cut it to the maximum.")
+    return InputTooLongError(
+        f"This model's maximum input length is {max_len} tokens. However, the {what} has "
+        f"{n} tokens. Shorten it, or set truncate_prompt_tokens to cut it to the maximum."
+    )
 
 
-def embed_input(tokenizer: Any, text: str | Sequence[int], max_len: int, truncate: int | None = None,
-                what: str = "input") -> list[int]:
+def embed_input(
+    tokenizer: Any, text: str | Sequence[int], max_len: int, truncate: int | None = None, what: str = "input"
+) -> list[int]:
     """The token ids of one input to embed: a text (tokenized with the model's special tokens) or token ids as
     given. Longer than `max_len`: InputTooLongError, unless `truncate` (-1: to `max_len`; N: to N) is given,
     which keeps the first tokens and the trailing special tokens, as sentence-transformers truncates."""
@@ -333,8 +376,15 @@ def embed_input(tokenizer: Any, text: str | Sequence[int], max_len: int, truncat
     return ids
 
 
-def pair_input(tokenizer: Any, pooling: PoolingConfig, query: str, document: str, max_len: int,
-               truncate: int | None = None, what: str = "query and document") -> tuple[list[int], int]:
+def pair_input(
+    tokenizer: Any,
+    pooling: PoolingConfig,
+    query: str,
+    document: str,
+    max_len: int,
+    truncate: int | None = None,
+    what: str = "query and document",
+) -> tuple[list[int], int]:
     """`pair_prompt`, checked against `max_len` (truncated from the document's end when `truncate` is given)."""
     ids, type_start = pair_prompt(tokenizer, pooling, query, document)
     limit = _limit(max_len, truncate)

@@ -70,8 +70,11 @@ def _embedding_inputs(value: str | list[Any], vocab: int | None) -> list[str | l
                 raise bad_request(f"input[{i}] has token id {bad[0]}, outside the vocabulary", param="input")
             out.append(item)
         else:
-            raise bad_request(f"input[{i}] must be a non-empty string or a non-empty list of token ids "
-                              f"(integers), got {_describe(item)}", param="input")
+            raise bad_request(
+                f"input[{i}] must be a non-empty string or a non-empty list of token ids "
+                f"(integers), got {_describe(item)}",
+                param="input",
+            )
     return out
 
 
@@ -88,12 +91,19 @@ def _vocab(ctx: ServerContext) -> int | None:
 
 def _check_truncate(value: int | None) -> None:
     if value is not None and value != -1 and value < 1:
-        raise bad_request(f"truncate_prompt_tokens must be -1 (the model's maximum) or at least 1, got {value}",
-                          param="truncate_prompt_tokens")
+        raise bad_request(
+            f"truncate_prompt_tokens must be -1 (the model's maximum) or at least 1, got {value}",
+            param="truncate_prompt_tokens",
+        )
 
 
-async def _run_all(ctx: ServerContext, record: RequestRecord, request: Request[Any, Any, Any], prefix: str,
-                   prompts: Sequence[tuple[list[int], PoolingParams]]) -> list[RequestOutput]:
+async def _run_all(
+    ctx: ServerContext,
+    record: RequestRecord,
+    request: Request[Any, Any, Any],
+    prefix: str,
+    prompts: Sequence[tuple[list[int], PoolingParams]],
+) -> list[RequestOutput]:
     """Run every prompt as its own engine request (they batch in the engine's steps); outputs in order."""
     request_id = new_id(prefix)
     record.request_id = request_id
@@ -120,8 +130,9 @@ def _b64(vector: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-async def create_embeddings(ctx: ServerContext, req: EmbeddingRequest, request: Request[Any, Any, Any],
-                            record: RequestRecord) -> EmbeddingResponse:
+async def create_embeddings(
+    ctx: ServerContext, req: EmbeddingRequest, request: Request[Any, Any, Any], record: RequestRecord
+) -> EmbeddingResponse:
     ctx = ctx.route(req.model, "/v1/embeddings", ("embed",))
     ctx.check_healthy()
     pooling: PoolingConfig = ctx.engine.pooling  # type: ignore[attr-defined]
@@ -151,8 +162,14 @@ def _cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return dot / (na * nb) if na and nb else 0.0
 
 
-async def _pair_scores(ctx: ServerContext, record: RequestRecord, request: Request[Any, Any, Any], prefix: str,
-                       pairs: Sequence[tuple[str, str]], truncate: int | None) -> tuple[list[float], int]:
+async def _pair_scores(
+    ctx: ServerContext,
+    record: RequestRecord,
+    request: Request[Any, Any, Any],
+    prefix: str,
+    pairs: Sequence[tuple[str, str]],
+    truncate: int | None,
+) -> tuple[list[float], int]:
     """The relevance score of each (query, document) pair, and the tokens computed."""
     _check_truncate(truncate)
     pooling: PoolingConfig = ctx.engine.pooling  # type: ignore[attr-defined]
@@ -184,15 +201,17 @@ def _document_text(doc: Any, i: int) -> str:
     if isinstance(doc, dict) and set(doc) == {"text"}:
         doc = doc["text"]
     if not isinstance(doc, str):
-        raise bad_request(f"documents[{i}] must be a string or an object {{\"text\": string}}, got "
-                          f"{_describe(doc)}", param="documents")
+        raise bad_request(
+            f'documents[{i}] must be a string or an object {{"text": string}}, got {_describe(doc)}', param="documents"
+        )
     if not doc:
         raise bad_request(f"documents[{i}] is empty", param="documents")
     return doc
 
 
-async def create_rerank(ctx: ServerContext, req: RerankRequest, request: Request[Any, Any, Any],
-                        record: RequestRecord) -> RerankResponse:
+async def create_rerank(
+    ctx: ServerContext, req: RerankRequest, request: Request[Any, Any, Any], record: RequestRecord
+) -> RerankResponse:
     ctx = ctx.route(req.model, "/v1/rerank", ("rerank", "embed"))
     ctx.check_healthy()
     if not req.query:
@@ -204,18 +223,26 @@ async def create_rerank(ctx: ServerContext, req: RerankRequest, request: Request
     if req.top_n is not None and req.top_n < 1:
         raise bad_request(f"top_n must be at least 1, got {req.top_n}", param="top_n")
     docs = [_document_text(d, i) for i, d in enumerate(req.documents)]
-    scores, tokens = await _pair_scores(ctx, record, request, "rerank", [(req.query, d) for d in docs],
-                                        req.truncate_prompt_tokens)
-    order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or len(docs)]
-    results = [RerankResult(index=i, relevance_score=scores[i],
-                            **({"document": RerankDocument(docs[i])} if req.return_documents else {}))
-               for i in order]
-    return RerankResponse(id=record.request_id or new_id("rerank"), model=ctx.model_name, results=results,
-                          usage=RerankUsage(tokens))
+    scores, tokens = await _pair_scores(
+        ctx, record, request, "rerank", [(req.query, d) for d in docs], req.truncate_prompt_tokens
+    )
+    order = sorted(range(len(docs)), key=lambda i: -scores[i])[: req.top_n or len(docs)]
+    results = [
+        RerankResult(
+            index=i,
+            relevance_score=scores[i],
+            **({"document": RerankDocument(docs[i])} if req.return_documents else {}),
+        )
+        for i in order
+    ]
+    return RerankResponse(
+        id=record.request_id or new_id("rerank"), model=ctx.model_name, results=results, usage=RerankUsage(tokens)
+    )
 
 
-async def create_score(ctx: ServerContext, req: ScoreRequest, request: Request[Any, Any, Any],
-                       record: RequestRecord) -> ScoreResponse:
+async def create_score(
+    ctx: ServerContext, req: ScoreRequest, request: Request[Any, Any, Any], record: RequestRecord
+) -> ScoreResponse:
     ctx = ctx.route(req.model, "/v1/score", ("rerank", "embed"))
     ctx.check_healthy()
     first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
@@ -232,9 +259,15 @@ async def create_score(ctx: ServerContext, req: ScoreRequest, request: Request[A
     elif len(first) == len(second):
         pairs = list(zip(first, second))
     else:
-        raise bad_request(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
-                          "as text_2 (scored pairwise)", param="text_1")
+        raise bad_request(
+            f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
+            "as text_2 (scored pairwise)",
+            param="text_1",
+        )
     scores, tokens = await _pair_scores(ctx, record, request, "score", pairs, req.truncate_prompt_tokens)
-    return ScoreResponse(id=record.request_id or new_id("score"), model=ctx.model_name,
-                         data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
-                         usage=EmbeddingUsage(tokens, tokens))
+    return ScoreResponse(
+        id=record.request_id or new_id("score"),
+        model=ctx.model_name,
+        data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
+        usage=EmbeddingUsage(tokens, tokens),
+    )
