@@ -463,7 +463,8 @@ async def create_message(
 ) -> Response[Any] | Stream:
     chat_req = to_chat_request(req)
     try:
-        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=f"msg_{uuid.uuid4().hex}")
+        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=f"msg_{uuid.uuid4().hex}",
+                                      endpoint="/v1/messages")
     except APIError as exc:
         raise renamed(exc, FIELD_NAMES) from None
     stops = list(req.stop_sequences or [])
@@ -510,7 +511,7 @@ async def create_message(
 
 def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> TokenCount:
     """The prompt's tokens as /v1/messages would count them (chat template, tools and all)."""
-    ctx.check_model(req.model)
+    ctx = ctx.route(req.model, "/v1/messages/count_tokens", ("generate",))
     _check(req)
     messages = to_chat_messages(req.system, req.messages)
     return TokenCount(input_tokens=len(chat_prompt_ids(ctx, messages, _chat_tools(req.tools), True, None)))

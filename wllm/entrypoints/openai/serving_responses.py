@@ -572,7 +572,8 @@ async def create_response(
     chat_req = to_chat_request(req, parse_input(history) + new_items, -len(history))
     response_id = _id("resp")
     try:
-        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=response_id)
+        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=response_id,
+                                      endpoint="/v1/responses")
     except APIError as exc:
         raise renamed(exc, FIELD_NAMES) from None
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
