@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from wllm.entrypoints.openai.engine_client import QueueFullError
+from wllm.model.pooling import PoolingConfig
 from wllm.outputs import (
     CompletionDelta,
     CompletionOutput,
@@ -30,6 +31,7 @@ from wllm.outputs import (
     StepLogprobs,
     TokenLogprob,
 )
+from wllm.pooling_params import PoolingParams
 from wllm.sampling_params import SamplingParams
 
 BOS, EOS, PAD = 0, 1, 2
@@ -238,6 +240,7 @@ class FloodEngine:
     def __init__(self, step_delay: float = 0.0, fail_at_step: int | None = None) -> None:
         self.tokenizer = CharTokenizer()
         self.max_model_len = 1 << 20
+        self.pooling: PoolingConfig | None = None
         self.num_failed_steps = 0
         self.step_delay = step_delay
         self.fail_at_step = fail_at_step
@@ -256,8 +259,9 @@ class FloodEngine:
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.running), "num_waiting": 0, "kv_cache_usage": 0.0}
 
-    def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | None = None, *,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Iterable[int],
+                    params: SamplingParams | PoolingParams | None = None, *, priority: int = 0,
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.running:
             raise ValueError(f"request id {request_id!r} is already in use")

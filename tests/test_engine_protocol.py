@@ -138,7 +138,7 @@ def test_data_members(tmp_path_factory: pytest.TempPathFactory) -> None:
     try:
         _, core_data = _members(EngineCore)
         _, client_data = _members(EngineClient)
-        assert core_data == {"num_failed_steps", "tokenizer", "max_model_len"}
+        assert core_data == {"num_failed_steps", "tokenizer", "max_model_len", "pooling"}
         for instance in (engine, process, FloodEngine()):
             assert [name for name in core_data if not hasattr(instance, name)] == []
             assert isinstance(instance.max_model_len, int) and isinstance(instance.num_failed_steps, int)

@@ -115,6 +115,8 @@ class RequestOutput(msgspec.Struct):
     prompt_logprobs: Sequence[StepLogprobs | None] | None = None  # a ListPrefix while running, as above
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # A pooling request's output (wllm.pooling_params): the embedding, or [relevance score].
+    pooled: list[float] | None = None
 
 
 # ------------------------------------------------------------------------------------------------ deltas
@@ -146,6 +148,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[StepLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    pooled: list[float] | None = None  # a pooling request's output, in its last delta
 
 
 class DeltaEncoder:
@@ -179,7 +182,7 @@ class DeltaEncoder:
         if out.finished:
             del self._sent[out.request_id]
         return RequestDelta(out.request_id, choices, out.finished, out.num_cached_tokens, prompt_lps,
-                            out.metrics, out.error)
+                            out.metrics, out.error, out.pooled)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -249,7 +252,8 @@ class OutputAccumulator:
             finished=last is not None and last.finished,
             num_cached_tokens=0 if last is None else last.num_cached_tokens,
             prompt_logprobs=None if self._prompt_logprobs is None else list(self._prompt_logprobs),
-            metrics=None if last is None else last.metrics, error=None if last is None else last.error)
+            metrics=None if last is None else last.metrics, error=None if last is None else last.error,
+            pooled=None if last is None else last.pooled)
 
 
 def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
@@ -276,4 +280,4 @@ def merge_deltas(deltas: Sequence[RequestDelta]) -> RequestDelta:
         outs.append(CompletionDelta(i, "".join(m.text), m.token_ids, m.logprobs, m.cumulative_logprob,
                                     m.finish_reason, m.stop_reason))
     return RequestDelta(last.request_id, outs, last.finished, last.num_cached_tokens, prompt_lps, last.metrics,
-                        last.error)
+                        last.error, last.pooled)

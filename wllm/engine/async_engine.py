@@ -20,7 +20,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from wllm.engine.protocol import EngineCore
+from wllm.model.pooling import PoolingConfig
 from wllm.outputs import CompletionDelta, RequestDelta, merge_deltas
+from wllm.pooling_params import PoolingParams
 from wllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,11 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """The model's pooling (None: a generative model); `generate` then takes `PoolingParams`."""
+        return getattr(self.engine, "pooling", None)
+
     def is_healthy(self) -> bool:
         # An engine process can die while idle, when no step is there to notice: health asks it directly.
         return self._dead is None and self.engine.is_alive()
@@ -173,7 +180,7 @@ class AsyncEngine:
     async def generate(
         self,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         request_id: str,
         *,
         priority: int = 0,

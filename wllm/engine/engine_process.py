@@ -35,7 +35,9 @@ import msgspec
 
 from wllm.engine.protocol import EngineCore
 from wllm.engine.request import QueueFullError
+from wllm.model.pooling import PoolingConfig
 from wllm.outputs import CompletionDelta, RequestDelta, RequestMetrics
+from wllm.pooling_params import PoolingParams
 from wllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     priority: int
     cache_salt: str | None
     arrival_time: float
+    pooling: PoolingParams | None = None  # a pooling request (then `params` is unused)
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
@@ -106,6 +109,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     tokenizer: bytes
     max_model_len: int
     stats: dict[str, Any]
+    pooling: PoolingConfig | None = None
 
 
 class LoadFailed(msgspec.Struct, tag=True, array_like=True):
@@ -173,7 +177,8 @@ def _child_main(model: str, engine_kwargs: dict[str, Any], commands: Any, conn: 
         _send_error(conn, encode, LoadFailed(RemoteError.of(e)))
         return
     try:
-        conn.send_bytes(encode(Ready(pickle.dumps(engine.tokenizer), engine.max_model_len, engine.stats())))
+        conn.send_bytes(encode(Ready(pickle.dumps(engine.tokenizer), engine.max_model_len, engine.stats(),
+                                     getattr(engine, "pooling", None))))
         _serve(engine, commands, conn, encode)
     except (EOFError, BrokenPipeError, ConnectionError):
         pass  # the parent is gone
@@ -199,7 +204,7 @@ def _serve(engine: EngineCore, commands: Any, conn: Any, encode: Callable[[Any],
             msg = decode(commands.recv_bytes())
             if isinstance(msg, AddRequest):
                 try:
-                    engine.add_request(msg.key, msg.prompt, msg.params, priority=msg.priority,
+                    engine.add_request(msg.key, msg.prompt, msg.pooling or msg.params, priority=msg.priority,
                                        cache_salt=msg.cache_salt, arrival_time=msg.arrival_time)
                 except Exception as e:  # the request's own error: its stream gets it, the engine goes on
                     conn.send_bytes(encode(Rejected(msg.key, RemoteError.of(e), engine.stats())))
@@ -282,6 +287,7 @@ class EngineProcess:
             raise EngineProcessError(f"the engine process exited while starting (exit code {self._proc.exitcode})")
         self._tokenizer = pickle.loads(msg.tokenizer)
         self._max_model_len = msg.max_model_len
+        self._pooling = msg.pooling
         self._stats = msg.stats
         self.num_failed_steps = 0
         self._sender = threading.Thread(target=self._send_loop, name="wllm-engine-process-send", daemon=True)
@@ -306,20 +312,27 @@ class EngineProcess:
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """The child's model's pooling (None: a generative model)."""
+        return self._pooling
+
     def is_alive(self) -> bool:
         """Whether the child still runs (False once closed)."""
         return not self.closed and self._proc.is_alive()
 
     # ------------------------------------------------------------------ what AsyncEngine calls
-    def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | None = None, *,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | PoolingParams | None = None,
+                    *, priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Send a request to the child. Its validation happens there: a refused request comes back from
         `take_rejected` after a later `step_deltas()`."""
         if request_id in self._keys:
             raise ValueError(f"request id {request_id!r} is already in use")
         key = f"{request_id}#{self._next_key}"
-        self._send(AddRequest(key, list(prompt), params or SamplingParams(), priority, cache_salt,
-                              time.monotonic() if arrival_time is None else arrival_time))
+        pooling = params if isinstance(params, PoolingParams) else None
+        sampling = SamplingParams() if pooling is not None or params is None else params
+        self._send(AddRequest(key, list(prompt), sampling, priority, cache_salt,  # type: ignore[arg-type]
+                              time.monotonic() if arrival_time is None else arrival_time, pooling))
         self._next_key += 1
         self._keys[request_id] = key
         self._running[key] = _Running(request_id)

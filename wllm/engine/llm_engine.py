@@ -52,7 +52,9 @@ from wllm.engine.request import RequestGroup, SequenceStatus
 from wllm.engine.scheduler import Scheduler
 from wllm.engine.step_plan import StepPlan
 from wllm.engine.worker import StepHandle, Worker, model_device
+from wllm.model.pooling import PoolingConfig, resolve_pooling, task_of
 from wllm.outputs import CompletionOutput, DeltaEncoder, ListPrefix, RequestDelta, RequestOutput
+from wllm.pooling_params import PoolingParams
 from wllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -167,7 +169,12 @@ class LLMEngine:
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
             sched = msgspec.structs.replace(sched, max_num_batched_tokens=default_batched_tokens(device.type, sms))
             self.config = msgspec.structs.replace(self.config, scheduler=sched)
+        # A pooling model (embed, rerank: wllm.model.pooling) runs each prompt once, whole, in one step.
+        self.pooling: PoolingConfig | None = getattr(model, "pooling", None)
         max_len = sched.max_model_len or getattr(model_config, "max_position_embeddings", None) or 2048
+        if self.pooling is not None:
+            max_len = self._pooling_setup(model_config, sched.max_model_len)
+            sched = self.config.scheduler
         self.worker = Worker(model, self.config.cache, sched.max_num_batched_tokens, dtype,
                              max_num_seqs=sched.max_num_seqs, max_model_len=max_len,
                              enforce_eager=self.config.enforce_eager,
@@ -188,6 +195,29 @@ class LLMEngine:
         self.closed = False
         _open_engines.add(self)
         freeze_startup_objects()
+
+    def _pooling_setup(self, model_config: Any, max_model_len: int | None) -> int:
+        """A pooling engine's limits: the context is the length the model was trained for (or the one given,
+        up to its position table); the step budget holds at least one whole prompt; the KV cache holds one
+        step (every sequence ends in the step that runs it, so nothing is ever preempted or swapped); no
+        prefix cache (an encoder's keys depend on the tokens after them, mean pooling needs every token)."""
+        assert self.pooling is not None
+        positions = getattr(model_config, "max_position_embeddings", None) or 2048
+        max_len = max_model_len or self.pooling.max_seq_len or positions
+        if getattr(model_config, "model_type", "") == "bert" and max_len > positions:
+            raise ValueError(f"max_model_len {max_len} is more than this model's {positions} positions")
+        sched, cache = self.config.scheduler, self.config.cache
+        budget = max(sched.max_num_batched_tokens or 0, max_len)
+        blocks = cache.num_gpu_blocks or -(-budget // cache.block_size) + sched.max_num_seqs
+        self.config = msgspec.structs.replace(
+            self.config, scheduler=msgspec.structs.replace(sched, max_num_batched_tokens=budget, max_model_len=max_len),
+            cache=msgspec.structs.replace(cache, num_gpu_blocks=blocks, num_cpu_blocks=0, enable_prefix_caching=False))
+        return max_len
+
+    @property
+    def task(self) -> str:
+        """What this engine serves: "generate", "embed" or "rerank"."""
+        return task_of(self.pooling)
 
     def close(self) -> None:
         """Free the model, the KV cache and swap space, the CUDA graphs and their memory pool now, not
@@ -232,10 +262,12 @@ class LLMEngine:
         load_format: str = "auto",
         revision: str | None = None,
         quantization: str | None = None,
+        task: str = "auto",
         **engine_args: Any,
     ) -> LLMEngine:
         """Load a model (HF folder or hub id, GGUF file, or dummy shape; `quantization` makes a dummy shape's
         random weights GGUF blocks of that preset, e.g. "q4_k_m") and its tokenizer and build an engine.
+        `task`: "auto" (from the model's files), "generate", "embed" or "rerank" (wllm.model.pooling).
         `engine_args` are EngineConfig fields (block_size, max_num_seqs, device, dtype, ...); device "auto"
         picks CUDA when available."""
         from wllm.model.loader import load_model
@@ -262,6 +294,7 @@ class LLMEngine:
             eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         if not eos:
             eos.update(loaded.config.eos_token_ids)
+        loaded.model.pooling = resolve_pooling(loaded.config, loaded.path, tok, task)
         engine = cls(loaded.model, tok, config, eos_token_ids=sorted(eos))
         engine.model_source = str(model)
         return engine
@@ -275,7 +308,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Iterable[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -287,6 +320,15 @@ class LLMEngine:
         finishes, and text without stop strings is decoded once at the end rather than per token
         (offline batches: at a few hundred sequences that per-step host work is what the GPU waits on)."""
         self._check_open()
+        pooling: PoolingParams | None = None
+        if isinstance(params, PoolingParams):
+            if self.pooling is None:
+                raise ValueError("this model generates text; embeddings and scores need an embed or rerank model")
+            pooling, params = params, SamplingParams(max_tokens=1)
+            pooling.validate()
+        elif self.pooling is not None:
+            raise ValueError(f"this is a{'n' if self.task == 'embed' else ''} {self.task} model; it does not "
+                             "generate text")
         params = params or SamplingParams()
         params.validate()
         if priority and self.scheduler.config.policy != "priority":
@@ -310,7 +352,8 @@ class LLMEngine:
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
         group = RequestGroup(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
-                             arrival_time=arrival_time, seed=self._rng.getrandbits(63), final_only=final_only)
+                             arrival_time=arrival_time, seed=self._rng.getrandbits(63), final_only=final_only,
+                             pooling=pooling)
         self.scheduler.add_group(group)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -446,6 +489,7 @@ class LLMEngine:
             prompt_logprobs=snap(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
             metrics=group.metrics,
             error=group.error,
+            pooled=group.pooled,
         )
 
     # --------------------------------------------------------------------------------------- stats

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from wllm.model.pooling import PoolingConfig
 from wllm.outputs import RequestDelta
+from wllm.pooling_params import PoolingParams
 from wllm.sampling_params import SamplingParams
 
 __all__ = ["EngineCore"]
@@ -32,8 +34,13 @@ class EngineCore(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | None = None, *,
-                    priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+    @property
+    def pooling(self) -> PoolingConfig | None:
+        """A pooling model's pooling (it takes `PoolingParams` requests only); None for a generative model."""
+        ...
+
+    def add_request(self, request_id: str, prompt: Iterable[int], params: SamplingParams | PoolingParams | None = None,
+                    *, priority: int = 0, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request. May raise ValueError / QueueFullError at once, or refuse it later: then it comes
         back from `take_rejected`."""
         ...

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from wllm.engine.block_pool import KVBlock
     from wllm.engine.sampler import SamplingRow
     from wllm.engine.stop_checker import TextState
+    from wllm.pooling_params import PoolingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -145,6 +146,7 @@ class RequestGroup:
         arrival_time: float | None = None,
         seed: int = 0,
         final_only: bool = False,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         # A tuple, not a list: see the module docstring. Outputs get a list (`prompt_list`).
@@ -165,6 +167,9 @@ class RequestGroup:
             [None] if params.prompt_logprobs is not None else None
         )
         self.error: str | None = None
+        # A pooling request: its whole prompt runs in one step, nothing is sampled, `pooled` is the output.
+        self.pooling = pooling
+        self.pooled: list[float] | None = None
 
     def prompt_list(self) -> list[int]:
         """The prompt ids as the list `RequestOutput.prompt_token_ids` carries. Made on the first call and

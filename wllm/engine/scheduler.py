@@ -114,7 +114,13 @@ class Scheduler:
             raise ValueError(f"request id {group.request_id!r} is already in use")
         if not group.prompt_token_ids:
             raise ValueError("the prompt is empty; at least one token is required")
-        if len(group.prompt_token_ids) >= self.max_model_len:
+        if group.pooling is not None:
+            # A pooling prompt runs whole in one step and generates nothing: it may fill the context.
+            limit = min(self.max_model_len, self.config.max_num_batched_tokens or self.max_model_len)
+            if len(group.prompt_token_ids) > limit:
+                raise ValueError(f"the input has {len(group.prompt_token_ids)} tokens, but this model takes at most "
+                                 f"{limit} tokens per input")
+        elif len(group.prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(group.prompt_token_ids)} tokens, but this engine allows at most "
                 f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len}, including "
@@ -368,10 +374,17 @@ class Scheduler:
         admitted: list[tuple[Sequence, int, int]] = []
         while len(self.waiting) and budget > 0 and num_running < self.config.max_num_seqs:
             seq = self.waiting.peek()
-            hits, num_hit = self.kv.get_computed_blocks(seq)
-            num_new = min(seq.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(seq, num_new, hits):
-                break
+            if seq.group.pooling is not None:
+                # Whole prompts only (an encoder attends both ways: a chunk would see half its context), and
+                # no prefix cache (mean pooling needs every token's hidden state).
+                hits, num_hit, num_new = [], 0, seq.num_tokens
+                if num_new > budget or not self.kv.allocate_slots(seq, num_new, hits):
+                    break
+            else:
+                hits, num_hit = self.kv.get_computed_blocks(seq)
+                num_new = min(seq.num_tokens - num_hit, budget)
+                if not self.kv.allocate_slots(seq, num_new, hits):
+                    break
             self.waiting.pop()
             self.kv.record_lookup(seq.num_tokens, num_hit)
             if seq.num_cached_tokens < 0:
@@ -412,6 +425,10 @@ class Scheduler:
             return StepRow(seq.seq_id, [0], start, seq.block_ids, 1, seq.sampling_row, feed=feed)
         end = start + num_new
         num_samples = 0
+        if seq.group.pooling is not None:
+            pooling = seq.group.pooling
+            return StepRow(seq.seq_id, seq.token_ids(start, end), start, seq.block_ids, 0, None,
+                           pool=pooling, token_type_start=pooling.token_type_start)
         if end == seq.num_tokens:
             forking = seq.index == 0 and seq.group.num_pending_forks > 0
             num_samples = 1 + seq.group.num_pending_forks if forking else 1
@@ -453,9 +470,16 @@ class Scheduler:
             if was_prompt:  # a decode chunk starts past the prompt: no prompt tokens in it
                 prompt_part = max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - sched.start_pos)
                 self.num_prompt_tokens += prompt_part
-            self.kv.cache_computed_blocks(seq)
             result = results[sched.seq_id]
             group = seq.group
+            if sched.pool is not None:
+                group.pooled = result.pooled
+                if group.metrics.first_token_time is None:
+                    group.metrics.first_token_time = now
+                self.finish_seq(seq, "stop")
+                changed.append(seq)
+                continue
+            self.kv.cache_computed_blocks(seq)
             if group.prompt_logprobs is not None and result.prompt_logprobs:
                 group.prompt_logprobs.extend(result.prompt_logprobs)
             if not sched.num_samples:

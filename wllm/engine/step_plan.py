@@ -11,7 +11,9 @@ Per row the plan carries what the model and the sampler need, and nothing about 
 - `feed`: under async scheduling, the sampling row of the step still in flight whose token (on the device,
   not yet on the host) is this row's input; the runner copies it in stream order before the forward;
 - `lora`: the LoRA adapter slot the row's tokens use (-1: the base model);
-- `grammar`: the slot of the row's token mask for constrained decoding (-1: unconstrained).
+- `grammar`: the slot of the row's token mask for constrained decoding (-1: unconstrained);
+- `pool`: the row is a pooling request's whole prompt: the runner pools its hidden states (no sampling), with
+  `token_type_start` the first token of a pair's second text (-1: none).
 
 Flat per step (`StepPlan.build` computes them once): the token index each sampling row reads its hidden
 state from, the token indices whose logits give prompt logprobs, and the feeds as (source row, token).
@@ -25,6 +27,7 @@ import msgspec
 
 from wllm.engine.sampler import SampledToken, SamplingRow
 from wllm.outputs import StepLogprobs
+from wllm.pooling_params import PoolingParams
 
 
 class StepRow(msgspec.Struct):
@@ -42,6 +45,8 @@ class StepRow(msgspec.Struct):
     feed: int = -1  # sampling row of the step in flight whose token is token_ids[0] (a placeholder here)
     lora: int = -1  # LoRA adapter slot (-1: none)
     grammar: int = -1  # token-mask slot for constrained decoding (-1: none)
+    pool: PoolingParams | None = None  # a pooling request's whole prompt: pool it, sample nothing
+    token_type_start: int = -1  # first token of a pair's second text (BERT token type 1), -1: none
 
 
 class RowResult(msgspec.Struct):
@@ -49,6 +54,7 @@ class RowResult(msgspec.Struct):
 
     sampled: list[SampledToken]
     prompt_logprobs: list[StepLogprobs] = msgspec.field(default_factory=list)
+    pooled: list[float] | None = None  # a pooling row's output
 
 
 def fork_row(row: SamplingRow, index: int) -> SamplingRow:
@@ -62,7 +68,8 @@ class StepPlan:
 
     __slots__ = ("rows", "blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "num_batched_tokens",
                  "in_flight", "num_tokens", "num_decode", "samples", "sample_owners", "sample_tokens",
-                 "sample_ahead", "prompt_tokens", "feed_rows", "feed_tokens", "one_token", "one_sample_each")
+                 "sample_ahead", "prompt_tokens", "feed_rows", "feed_tokens", "one_token", "one_sample_each",
+                 "pool_spans")
 
     rows: list[StepRow]
     blocks_to_copy: list[tuple[int, int]]  # (src, dst) GPU blocks, done first
@@ -81,6 +88,7 @@ class StepPlan:
     feed_tokens: list[int]  # ... and the token indices of this step they feed
     one_token: bool  # every row has one token (the decode kernel serves the whole step)
     one_sample_each: bool  # every row samples exactly once (sampling row i is row i)
+    pool_spans: list[tuple[int, int, int]]  # pooling rows: (row index, first token index, tokens)
 
     @classmethod
     def build(cls, rows: list[StepRow], blocks_to_copy: list[tuple[int, int]] | None = None,
@@ -107,9 +115,12 @@ class StepPlan:
         feed_rows: list[int] = []
         feed_tokens: list[int] = []
         one_token = one_sample_each = True
+        pool_spans: list[tuple[int, int, int]] = []
         t = 0
-        for row in rows:
+        for i, row in enumerate(rows):
             n = len(row.token_ids)
+            if row.pool is not None:
+                pool_spans.append((i, t, n))
             if n != 1:
                 one_token = False
             k = row.num_samples
@@ -138,6 +149,7 @@ class StepPlan:
         plan.prompt_tokens = prompt_tokens
         plan.feed_rows, plan.feed_tokens = feed_rows, feed_tokens
         plan.one_token, plan.one_sample_each = one_token, one_sample_each
+        plan.pool_spans = pool_spans
         # A fed row samples the position after its placeholder: its output list lacks that one token.
         if not feed_rows:
             plan.sample_ahead = 0

@@ -2,7 +2,8 @@
 
 It turns a `StepPlan` into flattened `input_ids[T]`, `positions[T]` and a `PagedAttentionContext`, runs
 the forward pass, computes logits only for the rows the plan names (sampled rows and prompt positions
-whose logprobs were asked for) and samples with the PyTorch `Sampler`, all before `launch` returns.
+whose logprobs were asked for) and samples with the PyTorch `Sampler`, all before `launch` returns. Rows of
+pooling requests are pooled instead (`wllm.model.pooling.pool`): the embedding or score is the row's result.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 from wllm.engine.paged_attention import PagedAttentionContext
 from wllm.engine.sampler import Sampler, prompt_logprobs
 from wllm.engine.step_plan import RowResult, StepPlan
+from wllm.model.pooling import PoolingConfig, pool
 
 
 class TorchStepRunner:
@@ -25,6 +27,8 @@ class TorchStepRunner:
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.sampler = Sampler()
+        # A pooling model's pooling (None: a generative model, whose plans have no pooling rows).
+        self.pooling: PoolingConfig | None = getattr(model, "pooling", None)
 
     @staticmethod
     def profile_forward(model: nn.Module, scratch: torch.Tensor, num_tokens: int, num_rows: int,
@@ -55,12 +59,25 @@ class TorchStepRunner:
         rows = plan.rows
         ctx = PagedAttentionContext(self.kv_cache, [r.block_ids for r in rows], [r.start_pos for r in rows],
                                     [len(r.token_ids) for r in rows])
-        hidden = self.model(input_ids, pos, ctx)
+        if any(r.token_type_start >= 0 for r in rows):
+            # A cross-encoder's pairs: token type 1 from the second text on (pooling rows are whole prompts).
+            types = [int(i >= r.token_type_start >= 0) for r in rows for i in range(len(r.token_ids))]
+            hidden = self.model(input_ids, pos, ctx,
+                                token_type_ids=torch.tensor(types, dtype=torch.long, device=device))
+        else:
+            hidden = self.model(input_ids, pos, ctx)
+        results = {r.seq_id: RowResult([]) for r in rows}
+        if plan.pool_spans:
+            pooled = pool(self.model, self.pooling, hidden, [(t, n) for _, t, n in plan.pool_spans],
+                          [rows[i].pool for i, _, _ in plan.pool_spans])
+            for (i, _, _), vector in zip(plan.pool_spans, pooled):
+                results[rows[i].seq_id].pooled = vector
         num_prompt = len(plan.prompt_tokens)
+        if not num_prompt and not plan.samples:
+            return results
         logit_rows = torch.tensor(plan.prompt_tokens + plan.sample_tokens, dtype=torch.long, device=device)
         logits = self.model.compute_logits(hidden[logit_rows])
 
-        results = {r.seq_id: RowResult([]) for r in rows}
         p = 0
         for r in rows:
             n = len(r.prompt_logprob_targets)

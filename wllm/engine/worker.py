@@ -63,7 +63,9 @@ class Worker:
         self.block_size = cache_config.block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None) or 2048
-        self.use_cuda_kernels = self._cuda_kernels_usable()
+        # Pooling models run the PyTorch path on every device: the kernel runner plans causal attention and
+        # sampling only.
+        self.use_cuda_kernels = getattr(model, "pooling", None) is None and self._cuda_kernels_usable()
         self.block_bytes = kv_cache_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
                                                     self.head_dim, self.dtype)
         self.num_gpu_blocks = cache_config.num_gpu_blocks or self._blocks_from_memory(

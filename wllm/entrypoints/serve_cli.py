@@ -93,7 +93,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     so a flag added here is a config key too."""
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="HF model folder, GGUF file, HF hub id (REPO or REPO:FILE for a GGUF in a hub repo), "
-                        "or nothing for the embedded SmolLM2-135M-Instruct")
+                        "or nothing for the embedded SmolLM2-135M-Instruct (also by its name, SmolLM2-135M-Instruct)")
+    p.add_argument("more_models", nargs="*", default=[], metavar="[NAME=]MODEL",
+                   help="more models served beside MODEL, each with its own engine (e.g. an embedding or rerank "
+                        "model next to a chat model); requests pick one by `model`. NAME= names it (default: the "
+                        "folder name, file stem or hub id)")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     net.add_argument("--port", type=int, default=8000, help="port to bind (0 picks a free one)")
@@ -142,6 +146,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--max-model-len", type=_positive_int, default=None,
                        help="context length (prompt + completion); default: the model's")
     model.add_argument("--seed", type=int, default=0, help="seed for requests that give no seed")
+    model.add_argument("--task", action="append", default=[], metavar="[NAME=]TASK",
+                       help="what a model serves: generate, embed or rerank (default: detected from its files). "
+                            "NAME= picks the model by its served name; without it, the first model (repeatable)")
 
     eng = p.add_argument_group("engine")
     eng.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV cache block")
@@ -221,6 +228,39 @@ def use_engine_process(flag: bool | None, device: str) -> bool:
     return flag if flag is not None else device.startswith("cuda")
 
 
+def _model_source(source: str | None) -> str:
+    from wllm.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+    return str(default_model_path()) if source is None or source == DEFAULT_MODEL_NAME else source
+
+
+def _extra_models(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(served name, source) of each model after the first, from `[NAME=]MODEL`."""
+    out = []
+    for item in args.more_models:
+        name, sep, source = item.partition("=")
+        if not sep or not name or Path(item).exists():
+            name, source = _served_name(item, None)[0], item
+        out.append((name, source))
+    return out
+
+
+def _tasks(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
+    """Served name -> task from `--task [NAME=]TASK` (a bare TASK is the first model's)."""
+    from wllm.model.pooling import TASKS
+
+    tasks: dict[str, str] = {}
+    for item in args.task:
+        name, sep, task = item.rpartition("=")
+        name = name if sep else names[0]
+        if task not in TASKS:
+            raise ValueError(f"--task {item}: the task must be one of {', '.join(TASKS)}")
+        if name not in names:
+            raise ValueError(f"--task {item}: no model is served as {name!r} (served: {', '.join(names)})")
+        tasks[name] = task
+    return tasks
+
+
 def _served_name(source: str | None, names: list[str] | None) -> list[str]:
     if names:
         return names
@@ -244,25 +284,28 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
-    """Load the model and tokenizer and start an AsyncEngine (over an engine process on CUDA or with
-    `--engine-process`); returns it and the model source."""
+def build_engine(args: argparse.Namespace, source: str | None = None, task: str = "auto",
+                 first: bool = True) -> tuple[Any, str]:
+    """Load a model (`source`, default MODEL) and its tokenizer and start an AsyncEngine (over an engine process
+    on CUDA or with `--engine-process`); returns it and the model source. The model-wide flags (`--tokenizer`,
+    `--load-format`, `--revision`, `--max-model-len`) apply to the first model only."""
     from wllm.engine.async_engine import AsyncEngine
     from wllm.engine.llm_engine import LLMEngine
-    from wllm.model.default_model import default_model_path
 
-    source = args.model if args.model is not None else str(default_model_path())
+    source = _model_source(args.model) if source is None else _model_source(source)
     # The same loading path as wllm.LLM (tokenizer resolution, EOS ids from generation_config).
     kwargs = dict(
-        tokenizer=args.tokenizer, load_format=args.load_format, revision=args.revision,
-        quantization=args.quantization, dtype=args.dtype, seed=args.seed, enforce_eager=args.enforce_eager,
+        tokenizer=args.tokenizer if first else None, load_format=args.load_format if first else "auto",
+        revision=args.revision if first else None, task=task,
+        quantization=args.quantization if first else None, dtype=args.dtype, seed=args.seed,
+        enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         gpu_memory_limit=args.gpu_memory_limit,
         kv_cache_memory=max(1, int(args.kv_cache_memory * GiB)), swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, max_waiting=args.max_queue, policy=args.scheduling_policy,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len if first else None,
     )
     # Resolving "auto" asks the driver for a device count; it creates no CUDA context here.
     device = _resolve_device(args.device)
@@ -431,28 +474,54 @@ def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> 
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    logger.info("loading model %s", args.model or "(embedded SmolLM2-135M-Instruct)")
+    extras = _extra_models(args)
     try:
-        engine, source = build_engine(args)
+        names = [server_config.served_model_names[0], *(name for name, _ in extras)]
+        if len(set(names)) != len(names) or set(server_config.served_model_names) & {n for n, _ in extras}:
+            raise ValueError(f"two models are served under one name ({', '.join(names)}); name them NAME=MODEL")
+        tasks = _tasks(args, names)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    import msgspec
+
+    engines: list[Any] = []
+    extra_models: list[tuple[Any, ServerConfig]] = []
+    try:
+        # One engine per model, each with its own KV cache: a pooling model's holds one step (LLMEngine).
+        logger.info("loading model %s", args.model or "(embedded SmolLM2-135M-Instruct)")
+        engine, source = build_engine(args, task=tasks.get(names[0], "auto"))
+        engines.append(engine)
+        server_config.model_root = source
+        for name, extra in extras:
+            logger.info("loading model %s as %s", extra, name)
+            extra_engine, extra_source = build_engine(args, extra, tasks.get(name, "auto"), first=False)
+            engines.append(extra_engine)
+            extra_models.append((extra_engine, msgspec.structs.replace(
+                server_config, served_model_names=[name], model_root=extra_source, chat_template=None)))
     except Exception as exc:  # loader, tokenizer and config errors name the file and what is supported
+        for started in engines:
+            started.shutdown(close_engine=True)
         print(f"error: {exc}", file=sys.stderr)
         return 1
     server_config.model_root = source
     if control is not None and control.stopping:  # asked to stop while the model loaded
-        engine.shutdown(close_engine=True)
+        for started in engines:
+            started.shutdown(close_engine=True)
         logger.info("stopped before serving")
         return 0
 
     from wllm.entrypoints.openai.app import create_app
 
-    app = create_app(engine, server_config, tracer_provider=tracer_provider)
+    app = create_app(engine, server_config, tracer_provider=tracer_provider, extra_models=extra_models)
 
     def on_ready(host: str, port: int) -> None:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         shown = f"[{shown}]" if ":" in shown else shown
         auth = "on" if keys else "off"
         ui = f"web UI: http://{shown}:{port}/; " if server_config.ui else ""
-        print(f"wLLM ready: serving {server_config.served_model_names[0]} at http://{shown}:{port}/v1 "
+        print(f"wLLM ready: serving {','.join(names)} at http://{shown}:{port}/v1 "
               f"(API keys: {auth}; {ui}Ctrl+C to stop)", flush=True)
 
     server = _make_server(app, args, on_ready)
@@ -461,7 +530,8 @@ def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> 
     try:
         server.run()
     finally:
-        engine.shutdown(close_engine=True)
+        for started in engines:
+            started.shutdown(close_engine=True)
         if tracer_provider is not None:
             tracer_provider.shutdown()
     if not server.started:

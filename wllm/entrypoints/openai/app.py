@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from litestar import Litestar, Request, Response, Router, delete, get, post
@@ -32,10 +33,16 @@ from wllm.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     EngineStatsResponse,
     HealthResponse,
     ModelCard,
     ModelList,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
@@ -47,8 +54,10 @@ from wllm.entrypoints.openai.serving_chat import chat_prompt_ids, create_chat_co
 from wllm.entrypoints.openai.serving_common import STATE_KEY, ClientDisconnected, RequestRecord, ServerContext
 from wllm.entrypoints.openai.serving_completions import create_completion
 from wllm.entrypoints.openai.serving_messages import ANTHROPIC_HANDLERS, by_path, count_tokens, create_message
+from wllm.entrypoints.openai.serving_pooling import create_embeddings, create_rerank, create_score
 from wllm.entrypoints.openai.serving_responses import ResponseStore, create_response, not_found
 from wllm.entrypoints.openai.serving_stats import engine_stats
+from wllm.model.pooling import TASKS
 from wllm.observability.metrics import CONTENT_TYPE, ServerMetrics
 from wllm.observability.tracing import RequestTracer
 from wllm.version import __version__
@@ -153,14 +162,30 @@ async def messages_count_tokens(request: Request[Any, Any, Any], data: JSONBody[
     return await _ctx(request).prep.run(_record(request).body_bytes, count_tokens, _ctx(request), data)
 
 
+@post("/v1/embeddings", status_code=200, summary="Create embeddings")
+async def embeddings(request: Request[Any, Any, Any], data: JSONBody[EmbeddingRequest]) -> EmbeddingResponse:
+    return await create_embeddings(_ctx(request), data, request, _record(request))
+
+
+@post("/v1/rerank", status_code=200, summary="Rerank documents by relevance to a query (Cohere / Jina format)")
+async def rerank(request: Request[Any, Any, Any], data: JSONBody[RerankRequest]) -> RerankResponse:
+    return await create_rerank(_ctx(request), data, request, _record(request))
+
+
+@post("/v1/score", status_code=200, summary="Score text pairs")
+async def score(request: Request[Any, Any, Any], data: JSONBody[ScoreRequest]) -> ScoreResponse:
+    return await create_score(_ctx(request), data, request, _record(request))
+
+
 def _card(ctx: ServerContext, name: str) -> ModelCard:
-    return ModelCard(id=name, created=ctx.created, root=ctx.config.model_root, max_model_len=ctx.engine.max_model_len)
+    return ModelCard(id=name, created=ctx.created, root=ctx.config.model_root, max_model_len=ctx.engine.max_model_len,
+                     task=ctx.task)
 
 
 @get("/v1/models", summary="List models")
 async def list_models(request: Request[Any, Any, Any]) -> ModelList:
     ctx = _ctx(request)
-    return ModelList(data=[_card(ctx, name) for name in ctx.config.served_model_names])
+    return ModelList(data=[_card(c, name) for c in ctx.models for name in c.config.served_model_names])
 
 
 @get("/v1/models/{model_id:path}", summary="Retrieve a model")
@@ -168,13 +193,13 @@ async def retrieve_model(request: Request[Any, Any, Any], model_id: FromPath[str
     ctx = _ctx(request)
     model_id = model_id.lstrip("/")
     ctx.check_model(model_id)
-    return _card(ctx, model_id)
+    return _card(ctx.by_name[model_id], model_id)
 
 
 @post("/tokenize", status_code=200, summary="Tokenize a prompt or chat messages")
 async def tokenize(request: Request[Any, Any, Any], data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
     ctx = _ctx(request)
-    ctx.check_model(data.model)
+    ctx = ctx.route(data.model, "/tokenize", TASKS) if data.model is not None else ctx
     if (data.prompt is None) == (data.messages is None):
         raise bad_request("give exactly one of `prompt` or `messages`", param="prompt")
     if data.messages is not None:
@@ -196,7 +221,7 @@ async def tokenize(request: Request[Any, Any, Any], data: JSONBody[TokenizeReque
 @post("/detokenize", status_code=200, summary="Turn token ids back into text")
 async def detokenize(request: Request[Any, Any, Any], data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
     ctx = _ctx(request)
-    ctx.check_model(data.model)
+    ctx = ctx.route(data.model, "/detokenize", TASKS) if data.model is not None else ctx
     vocab = getattr(ctx.engine.tokenizer, "vocab_size", None)
     bad = [t for t in data.tokens if t < 0 or (isinstance(vocab, int) and t >= vocab)]
     if bad:
@@ -207,7 +232,7 @@ async def detokenize(request: Request[Any, Any, Any], data: JSONBody[DetokenizeR
 @get("/health", summary="200 while the engine is serving, 503 otherwise")
 async def health(request: Request[Any, Any, Any]) -> Response[HealthResponse]:
     ctx = _ctx(request)
-    if ctx.engine.is_healthy():
+    if ctx.healthy():
         return Response(HealthResponse(status="ok"))
     return Response(HealthResponse(status="unhealthy"), status_code=503,
                     headers={"Retry-After": str(ctx.config.retry_after_s)})
@@ -239,7 +264,8 @@ async def openapi_json(request: Request[Any, Any, Any]) -> dict[str, Any]:
 UNPREFIXED = {"/chat/completions": chat_completions, "/completions": completions, "/models": list_models,
               "/models/{model_id:path}": retrieve_model, "/responses": responses,
               "/responses/{response_id:str}": retrieve_response, "/messages": messages,
-              "/messages/count_tokens": messages_count_tokens}
+              "/messages/count_tokens": messages_count_tokens, "/embeddings": embeddings, "/rerank": rerank,
+              "/v2/rerank": rerank, "/score": score}
 UNPREFIXED_DELETE = {"/responses/{response_id:str}": delete_response}
 
 
@@ -264,18 +290,25 @@ def create_app(
     *,
     metrics: ServerMetrics | None = None,
     tracer_provider: TracerProvider | None = None,
+    extra_models: Sequence[tuple[EngineClient, ServerConfig]] = (),
 ) -> Litestar:
-    """The OpenAI-compatible app around `engine`. Tracing is on when a tracer provider is given."""
+    """The OpenAI-compatible app around `engine`. Tracing is on when a tracer provider is given.
+    `extra_models`: more models served beside it, each (its engine, a config naming it in
+    `served_model_names`; the other fields are `config`'s); requests go to a model by their `model` field."""
     config = config or ServerConfig()
     config.validate()
     metrics = metrics or ServerMetrics()
-    metrics.attach_engine(engine.stats, engine.is_healthy)
     tracer = RequestTracer(tracer_provider) if tracer_provider is not None else None
     ctx = ServerContext(engine, config, metrics, tracer)
+    for extra_engine, extra_config in extra_models:
+        extra_config.validate()
+        ctx.add_model(extra_engine, extra_config)
+    # /metrics shows the first model's engine gauges; health is every model's.
+    metrics.attach_engine(engine.stats, engine.is_healthy if not extra_models else ctx.healthy)
     api = Router(path="/", guards=[access_guard],
-                 route_handlers=[chat_completions, completions, list_models, retrieve_model, tokenize, detokenize,
-                                 responses, retrieve_response, delete_response, messages, messages_count_tokens,
-                                 *_unprefixed_aliases()])
+                 route_handlers=[chat_completions, completions, embeddings, rerank, score, list_models,
+                                 retrieve_model, tokenize, detokenize, responses, retrieve_response, delete_response,
+                                 messages, messages_count_tokens, *_unprefixed_aliases()])
     handlers = {cls: by_path(handler) for cls, handler in EXCEPTION_HANDLERS.items()}
     handlers[ClientDisconnected] = _disconnected
     cors = None

@@ -110,3 +110,9 @@ def convert_at(raw: Any, type_: type[T], where: str) -> T:
         text = str(exc)
         text = text.replace("`$", f"`$.{where}") if " - at `$" in text else f"{text} - at `$.{where}`"
         raise validation_error(msgspec.ValidationError(text)) from None
+
+
+def typed_chat_request(req: Any) -> Any:
+    """A ChatCompletionRequest built from translated parts (tools, tool_choice and history tool calls as plain
+    dicts) decoded again, strictly, into the typed structs the chat path reads; a mismatch is a 400."""
+    return convert_at(msgspec.to_builtins(req), type(req), "request")

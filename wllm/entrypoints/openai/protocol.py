@@ -166,6 +166,43 @@ class DetokenizeRequest(_Strict, kw_only=True):
     tokens: list[int]
 
 
+class EmbeddingRequest(_Strict, kw_only=True):
+    """OpenAI's embeddings request. `input` is a string, a list of strings, a list of token ids or a list
+    of token-id lists (its items are checked by the handler: msgspec takes one array type per union)."""
+
+    model: str | None = None
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    # Accepted, no effect: OpenAI's end-user id.
+    user: str | None = None
+    # vLLM extra: cut inputs longer than this many tokens (-1: the model's maximum) instead of a 400.
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(_Strict, kw_only=True):
+    """The Cohere / Jina rerank request: documents are strings or {"text": ...} objects."""
+
+    model: str | None = None
+    query: str
+    documents: list[Any]
+    top_n: int | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    # Accepted, no effect: an end-user id, as on the OpenAI routes.
+    user: str | None = None
+
+
+class ScoreRequest(_Strict, kw_only=True):
+    """vLLM's score request: `text_1` against each `text_2` (one to one, one to many, or pairwise lists)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
 # ---------------------------------------------------------------- responses
 
 
@@ -304,6 +341,61 @@ class ModelCard(msgspec.Struct, kw_only=True):
     owned_by: str = "wllm"
     root: str | None = None
     max_model_len: int | None = None
+    task: str = "generate"  # what the model serves: generate, embed or rerank
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(msgspec.Struct, kw_only=True):
+    index: int
+    object: str = "embedding"
+    embedding: list[float] | str  # a base64 string of little-endian float32 with encoding_format "base64"
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
+class RerankDocument(msgspec.Struct):
+    text: str
+
+
+class RerankResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    relevance_score: float
+    document: RerankDocument | UnsetType = UNSET
+
+
+class RerankUsage(msgspec.Struct):
+    total_tokens: int
+
+
+class RerankResponse(msgspec.Struct, kw_only=True):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+class ScoreData(msgspec.Struct, kw_only=True):
+    index: int
+    object: str = "score"
+    score: float
+
+
+class ScoreResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "list"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
 
 
 class ModelList(msgspec.Struct, kw_only=True):

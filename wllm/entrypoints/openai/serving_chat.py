@@ -214,8 +214,9 @@ class ChatStart:
 
     @classmethod
     async def begin(cls, ctx: ServerContext, req: ChatCompletionRequest, request: Request[Any, Any, Any],
-                    record: RequestRecord, request_id: str | None = None) -> ChatStart:
-        ctx.check_model(req.model)
+                    record: RequestRecord, request_id: str | None = None,
+                    endpoint: str = "/v1/chat/completions") -> ChatStart:
+        ctx = ctx.route(req.model, endpoint, ("generate",))
         ctx.check_healthy()
         reject_unsupported(req)
         if req.functions is not None or req.function_call is not None:

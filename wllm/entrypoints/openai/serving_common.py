@@ -26,6 +26,7 @@ from wllm.entrypoints.openai.errors import APIError, bad_request, model_not_foun
 from wllm.entrypoints.openai.offload import DEFAULT_CHARS_PER_TOKEN, PrepPool
 from wllm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from wllm.entrypoints.openai.rate_limit import RateLimiter
+from wllm.model.pooling import task_of
 from wllm.observability.metrics import ServerMetrics
 from wllm.observability.tracing import RequestTracer
 from wllm.outputs import OutputAccumulator, RequestDelta, RequestOutput, StepLogprobs
@@ -81,23 +82,74 @@ class RequestRecord:
 
 
 class ServerContext:
-    """The engine plus the server-wide services every handler uses."""
+    """One served model's engine plus the server-wide services every handler uses.
+
+    A server of several models (`wllm serve A B`) has one context per model: the first is the app's, the
+    others come from `add_model` and share its services (keys, limits, metrics, the running requests) and
+    its routing table; `route` picks a request's context by its `model` field and the endpoint's tasks."""
 
     def __init__(self, engine: EngineClient, config: ServerConfig, metrics: ServerMetrics,
-                 tracer: RequestTracer | None) -> None:
+                 tracer: RequestTracer | None, *, root: ServerContext | None = None) -> None:
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.tracer = tracer
-        self.keys = APIKeyChecker(config.api_keys)
-        self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
-        self.prep = PrepPool()
         self.max_prompt_chars = config.max_prompt_chars or DEFAULT_CHARS_PER_TOKEN * engine.max_model_len
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
-        self.running: set[EngineRun] = set()  # engine requests being consumed now (streamed or not)
-        self.cutting = False  # set once shutdown's drain timeout has run out
-        self._cut_aborts: set[asyncio.Future[None]] = set()
+        self.task: str = task_of(getattr(engine, "pooling", None))
+        if root is None:
+            self.keys = APIKeyChecker(config.api_keys)
+            self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
+            self.running: set[EngineRun] = set()  # engine requests being consumed now (streamed or not)
+            self._cut_aborts: set[asyncio.Future[None]] = set()
+            self.prep = PrepPool()  # one pool for every model's request preparation
+            self.models: list[ServerContext] = []  # every model's context, in the order served
+            self.by_name: dict[str, ServerContext] = {}
+            self._root = self
+            self._cutting = False  # set once shutdown's drain timeout has run out
+        else:
+            self.keys, self.limiter, self.running, self.prep = root.keys, root.limiter, root.running, root.prep
+            self._cut_aborts, self.models, self.by_name, self._root = root._cut_aborts, root.models, root.by_name, root
+        self.models.append(self)
+        for name in config.served_model_names:
+            if name in self.by_name:
+                raise ValueError(f"the model name {name!r} is served twice; give each model its own name")
+            self.by_name[name] = self
+
+    def add_model(self, engine: EngineClient, config: ServerConfig) -> ServerContext:
+        """Serve another model (its own engine; `config.served_model_names` its names) beside this one."""
+        return ServerContext(engine, config, self.metrics, self.tracer, root=self._root)
+
+    @property
+    def cutting(self) -> bool:
+        return self._root._cutting
+
+    @cutting.setter
+    def cutting(self, value: bool) -> None:
+        self._root._cutting = value
+
+    def route(self, model: str | None, endpoint: str, tasks: tuple[str, ...]) -> ServerContext:
+        """The context of the model a request names (404 if none has that name; 400 if its task cannot serve
+        `endpoint`). Without a name: the first model whose task can (the first model when none can)."""
+        if model is None:
+            target = next((c for c in self.models if c.task in tasks), self.models[0])
+        else:
+            found = self.by_name.get(model)
+            if found is None:
+                raise model_not_found(model)
+            target = found
+        if target.task not in tasks:
+            name = target.config.served_model_names[0]
+            article = "an" if target.task == "embed" else "a"
+            raise APIError(400, f"The model `{name}` is {article} {target.task} model; {endpoint} needs "
+                           f"{' or '.join(a_task(t) for t in tasks)} model.", param="model",
+                           code="model_task_mismatch")
+        return target
+
+    def healthy(self) -> bool:
+        """Every model's engine is running."""
+        return all(c.engine.is_healthy() for c in self.models)
 
     def cut_requests(self) -> int:
         """End every running request now, for a shutdown whose drain timeout ran out; how many HTTP
@@ -120,7 +172,7 @@ class ServerContext:
         return self.config.served_model_names[0]
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.config.served_model_names:
+        if model is not None and model not in self.by_name:
             raise model_not_found(model)
 
     def check_prompt_chars(self, text: str, what: str) -> None:
@@ -157,6 +209,11 @@ class ServerContext:
             if len(self._token_text) < 1_000_000:
                 self._token_text[token_id] = text
         return text
+
+
+def a_task(task: str) -> str:
+    """"an embed", "a rerank", "a generate"."""
+    return f"{'an' if task == 'embed' else 'a'} {task}"
 
 
 def _byte_level_alphabet() -> dict[str, int]:

@@ -141,7 +141,7 @@ async def _merge(streams: list[AsyncIterator[RequestDelta]]) -> AsyncIterator[tu
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, request: Request[Any, Any, Any],
                             record: RequestRecord) -> Response[Any] | Stream:
-    ctx.check_model(req.model)
+    ctx = ctx.route(req.model, "/v1/completions", ("generate",))
     ctx.check_healthy()
     reject_unsupported(req)
     if req.suffix:

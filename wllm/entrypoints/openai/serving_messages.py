@@ -20,7 +20,15 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from wllm.entrypoints.openai.chat_view import ViewChat, ViewMessage, ViewUsage, convert_at, renamed, view
+from wllm.entrypoints.openai.chat_view import (
+    ViewChat,
+    ViewMessage,
+    ViewUsage,
+    convert_at,
+    renamed,
+    typed_chat_request,
+    view,
+)
 from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, ErrorResponse, bad_request
 from wllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from wllm.entrypoints.openai.protocol import ContentPart as ChatContentPart
@@ -287,7 +295,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         raise bad_request(f"temperature must be in [0, 1], got {req.temperature}", param="temperature")
     choice = req.tool_choice
     fmt = req.output_config.format if req.output_config is not None else None
-    return ChatCompletionRequest(
+    return typed_chat_request(ChatCompletionRequest(
         model=req.model,
         messages=to_chat_messages(req.system, req.messages),
         max_tokens=req.max_tokens,
@@ -306,7 +314,7 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         user=req.metadata.user_id if req.metadata is not None else None,
         stream=req.stream,
         stream_options=StreamOptions(include_usage=True) if req.stream else None,
-    )
+    ))
 
 
 # ---------------------------------------------------------------- chat -> message
@@ -455,7 +463,8 @@ async def create_message(
 ) -> Response[Any] | Stream:
     chat_req = to_chat_request(req)
     try:
-        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=f"msg_{uuid.uuid4().hex}")
+        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=f"msg_{uuid.uuid4().hex}",
+                                      endpoint="/v1/messages")
     except APIError as exc:
         raise renamed(exc, FIELD_NAMES) from None
     stops = list(req.stop_sequences or [])
@@ -502,7 +511,7 @@ async def create_message(
 
 def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> TokenCount:
     """The prompt's tokens as /v1/messages would count them (chat template, tools and all)."""
-    ctx.check_model(req.model)
+    ctx = ctx.route(req.model, "/v1/messages/count_tokens", ("generate",))
     _check(req)
     messages = to_chat_messages(req.system, req.messages)
     return TokenCount(input_tokens=len(chat_prompt_ids(ctx, messages, _chat_tools(req.tools), True, None)))

@@ -25,7 +25,15 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from wllm.entrypoints.openai.chat_view import ViewChat, ViewMessage, ViewUsage, convert_at, renamed, view
+from wllm.entrypoints.openai.chat_view import (
+    ViewChat,
+    ViewMessage,
+    ViewUsage,
+    convert_at,
+    renamed,
+    typed_chat_request,
+    view,
+)
 from wllm.entrypoints.openai.errors import APIError, bad_request
 from wllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from wllm.entrypoints.openai.protocol import ContentPart as ChatContentPart
@@ -322,7 +330,7 @@ def to_chat_request(req: ResponsesRequest, items: list[InputItem], first: int = 
         messages.insert(0, ChatMessage(role="system", content=req.instructions))
     if not messages:
         raise bad_request("input must contain at least one item", param="input")
-    return ChatCompletionRequest(
+    return typed_chat_request(ChatCompletionRequest(
         model=req.model,
         messages=messages,
         max_tokens=req.max_output_tokens,
@@ -335,7 +343,7 @@ def to_chat_request(req: ResponsesRequest, items: list[InputItem], first: int = 
         user=req.user,
         stream=req.stream,
         stream_options=StreamOptions(include_usage=True) if req.stream else None,
-    )
+    ))
 
 
 # ---------------------------------------------------------------- chat -> response
@@ -564,7 +572,8 @@ async def create_response(
     chat_req = to_chat_request(req, parse_input(history) + new_items, -len(history))
     response_id = _id("resp")
     try:
-        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=response_id)
+        start = await ChatStart.begin(ctx, chat_req, request, record, request_id=response_id,
+                                      endpoint="/v1/responses")
     except APIError as exc:
         raise renamed(exc, FIELD_NAMES) from None
     fmt = req.text.format if req.text is not None and req.text.format is not None else None

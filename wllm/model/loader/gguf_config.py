@@ -20,7 +20,7 @@ ARCHITECTURES: dict[str, tuple[str, str, str]] = {
     "bert": ("bert", "BertModel", "gelu"),
 }
 
-# llama.cpp's enum llama_pooling_type, as stored in `bert.pooling_type`.
+# llama.cpp's enum llama_pooling_type, as stored in `{arch}.pooling_type`.
 _POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 # Tensors that hold config rather than weights: the loader reads them into hf_config.
@@ -109,6 +109,9 @@ def build_hf_config(
         # Llama 3.1-style scaling baked into per-frequency divisors; the model divides by them.
         cfg["rope_freq_factors"] = [float(x) for x in read_tensor("rope_freqs.weight").reshape(-1).tolist()]
     _ARCH_EXTRAS[arch](cfg, get, tensor_shapes, read_tensor)
+    if arch != "bert" and get("pooling_type") is not None:
+        # A decoder converted as an embedding model (Qwen3-Embedding, gte-Qwen2) says how it pools.
+        cfg["pooling_type"] = _POOLING.get(int(get("pooling_type")), "none")
     return cfg
 
 

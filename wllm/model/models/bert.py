@@ -1,5 +1,6 @@
 """BERT encoder (BertModel): bidirectional attention, absolute position and token-type
-embeddings, post-LayerNorm blocks. Returns the last hidden states (for embeddings)."""
+embeddings, post-LayerNorm blocks. Returns the last hidden states (for embeddings); `BertForSequenceClassification`
+adds the pooler and the classifier of a cross-encoder (`classify`)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,21 @@ class BertModel(ModelBase):
         for layer in self.encoder.layer:
             hidden = layer(hidden, ctx)
         return hidden
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT cross-encoder: the encoder, then the pooler (dense + tanh on the CLS token) and a linear
+    classifier; `classify` maps CLS hidden states to the logits."""
+
+    ignored_substrings = ("embeddings.position_ids", "cls.")
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        h = config.hidden_size
+        labels = config.raw.get("num_labels") or len(config.raw.get("id2label") or {}) or 2
+        self.pooler = BertDense(h, h)
+        self.classifier = Linear(h, int(labels), bias=True)
+
+    def classify(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, num_labels] for the CLS hidden states [N, hidden]."""
+        return self.classifier(torch.tanh(self.pooler.dense(cls_hidden)))

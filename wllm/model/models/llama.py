@@ -180,6 +180,7 @@ class LlamaForCausalLM(ModelBase):
     qk_norm = False
     norm_offset = 0.0
     scale_embeddings = False
+    headless = False  # a base-model checkpoint (an embedder): no LM head, tensor names without "model."
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -187,7 +188,8 @@ class LlamaForCausalLM(ModelBase):
         layers = [self.make_layer(config, i) for i in range(config.num_hidden_layers)]
         embed_scale = config.hidden_size**0.5 if self.scale_embeddings else None
         self.model = DecoderModel(config, layers, self.norm_offset, embed_scale)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        tied = config.tie_word_embeddings or self.headless
+        self.lm_head = None if tied else Linear(config.hidden_size, config.vocab_size)
 
     def make_layer(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         qkv_bias = config.attention_bias if self.qkv_bias is None else self.qkv_bias
@@ -205,6 +207,8 @@ class LlamaForCausalLM(ModelBase):
     def map_name(self, name: str) -> str | None:
         if name.startswith("lm_head.") and self.lm_head is None:
             return None  # tied: some checkpoints still store a copy of the embedding
+        if self.headless and not name.startswith("model."):
+            return "model." + name
         return name
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -216,6 +220,12 @@ class LlamaForCausalLM(ModelBase):
         has one."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return compute_logits(hidden, head, self.config.final_logit_softcapping, out)
+
+
+class LlamaModel(LlamaForCausalLM):
+    """A headless Llama (an embedding checkpoint)."""
+
+    headless = True
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -10,3 +10,9 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     qkv_bias = True
     o_bias = False
+
+
+class Qwen2Model(Qwen2ForCausalLM):
+    """A headless Qwen2 (an embedding checkpoint, e.g. gte-Qwen2)."""
+
+    headless = True

@@ -9,3 +9,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense) decoder-only LM."""
 
     qk_norm = True
+
+
+class Qwen3Model(Qwen3ForCausalLM):
+    """A headless Qwen3 (an embedding checkpoint, e.g. Qwen3-Embedding)."""
+
+    headless = True

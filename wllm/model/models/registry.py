@@ -16,6 +16,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "BertModel": ("bert", "BertModel"),
+    "BertForSequenceClassification": ("bert", "BertForSequenceClassification"),
+    # Headless decoders (embedding checkpoints saved from the base model).
+    "LlamaModel": ("llama", "LlamaModel"),
+    "Qwen2Model": ("qwen2", "Qwen2Model"),
+    "Qwen3Model": ("qwen3", "Qwen3Model"),
 }
 
 # Names used by GGUF's `general.architecture` and HF's `model_type`.

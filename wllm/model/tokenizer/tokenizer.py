@@ -98,6 +98,10 @@ class Tokenizer:
         `eos_token_id` is the primary EOS (the tokenizer's eos_token); `eos_token_ids` the full
         set that ends generation (it always includes `eos_token_id`).
         """
+        # tokenizer.json may switch on padding and truncation (sentence-transformers exports do): an engine
+        # must see every token and no padding, and a prompt that is too long is an error, not cut silently.
+        backend.no_padding()
+        backend.no_truncation()
         self._backend = backend
         self.source = source
         self.bos_token_id = bos_token_id
@@ -352,6 +356,17 @@ class Tokenizer:
         the time and a fraction of the memory of `encode` on long prompts, and it holds the GIL only to
         convert the result, so the server can tokenize a long prompt in a thread without stalling."""
         return self.encode_batch([text], add_special_tokens)[0]
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], int]:
+        """Token ids of a text pair as the model's files frame it ([CLS] a [SEP] b [SEP] for BERT), and the
+        index where the second text's token type starts (-1 when the framing gives no token types)."""
+        if not self._manual_specials:
+            enc = self._backend.encode(first, second, add_special_tokens=True)
+            types = enc.type_ids
+            return enc.ids, types.index(1) if 1 in types else -1
+        a = self._backend.encode(first, add_special_tokens=False).ids
+        b = self._backend.encode(second, add_special_tokens=False).ids
+        return self._frame(a + b), -1
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for many texts at once (parallel in the Rust backend)."""
