@@ -181,14 +181,29 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------- schedule
     def _victim(self) -> Sequence:
+        idle = self._idle_beam()
+        if idle is not None:
+            return idle
         if self.config.policy == "priority":
             return max(self.running, key=lambda s: (s.priority, s.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]]) -> None:
+    def _idle_beam(self) -> Sequence | None:
+        """The last running beam that has its candidates and waits for its siblings': it needs no blocks until
+        the beam search step, so it is the first to give them up."""
+        for seq in reversed(self.running):
+            if seq.group.beam is not None and seq.num_computed_tokens >= seq.num_tokens:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]] | None) -> None:
+        """Swap `seq` out to the CPU pool if the pool has room (and `swap_out`, the step's copies, is given), else free it
+        to be recomputed. An idle beam (`_idle_beam`) queues behind the others: it needs to run only after its
+        siblings have (at the front it would be admitted again at once, in place of what it made room for)."""
         self.running.remove(seq)
         n = cdiv(seq.num_computed_tokens, self.block_size)
-        if 0 < n <= len(self.cpu_free):
+        idle = seq.group.beam is not None and seq.num_computed_tokens >= seq.num_tokens
+        if swap_out is not None and 0 < n <= len(self.cpu_free):
             cpu_ids = [self.cpu_free.pop() for _ in range(n)]
             swap_out.extend(zip([b.block_id for b in seq.blocks[:n]], cpu_ids))
             self.kv.free(seq)
@@ -200,10 +215,25 @@ class Scheduler:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            self.waiting.push(seq, front=True)
+            self.waiting.push(seq, front=not idle)
             self.num_preemptions_recompute += 1
 
     def schedule(self, in_flight: StepPlan | None = None) -> StepPlan | None:
+        """`_schedule`, plus the way out of one stall of beam search: a beam that has its candidates waits for
+        its siblings' while holding its blocks, so beams that wait for blocks (swapped out or queued) could wait
+        on them forever. When a step would be empty while sequences wait, such idle beams give their blocks back
+        one by one (to be recomputed, mostly from the prefix cache; their candidates are kept) until something
+        can run."""
+        plan = self._schedule(in_flight)
+        while in_flight is None and plan is not None and plan.is_empty and (self.swapped or len(self.waiting)):
+            idle = self._idle_beam()
+            if idle is None:
+                break
+            self._preempt(idle, None)  # recomputed, not swapped: the step that would copy it out is empty
+            plan = self._schedule()
+        return plan
+
+    def _schedule(self, in_flight: StepPlan | None = None) -> StepPlan | None:
         """The next step under one token budget: running sequences first (a decode token each, or the
         next chunk of a prompt), preempting the least important when the pool runs dry, then swapped-out
         ones, then waiting ones (`_admit_waiting`).
