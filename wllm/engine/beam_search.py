@@ -57,30 +57,39 @@ class BeamSearch:
         self.next_index = 1  # sequence index of the next forked beam (index 0 is the prompt's)
         self.pending: dict[str, Sequence[TokenLogprob]] = {}  # seq id -> its candidates of the step under way
 
-    def step(self, beams: Sequence[tuple[float, Sequence[int], Sequence[TokenLogprob]]]) -> list[tuple[int, int, float]]:
+    def step(
+        self,
+        beams: Sequence[tuple[float, Sequence[int], Sequence[TokenLogprob]]],
+    ) -> list[tuple[int, int, float]]:
         """Advance by one token. `beams`: per running beam, (its cumulative logprob, its generated tokens, its top
         candidates). Returns the next running beams as (index into `beams`, token, new cumulative logprob), best
         first; an empty list when the search is over (`done`), the results then in `finished`."""
-        cands = sorted(((score + t.logprob, b, t.token_id) for b, (score, _, top) in enumerate(beams) for t in top),
-                       key=lambda c: (-c[0], c[1], c[2]))[:self.num_candidates]
+        cands = sorted(
+            ((score + t.logprob, b, t.token_id) for b, (score, _, top) in enumerate(beams) for t in top),
+            key=lambda c: (-c[0], c[1], c[2]),
+        )[: self.num_candidates]
         length = self.num_generated + 1
         at_limit = length >= self.max_new_tokens
         eos = self.eos
 
-        running = [(b, tok, score) for score, b, tok in cands if not (at_limit or tok in eos)][:self.width]
-        new = [Hypothesis([*beams[b][1], tok], score, score / length ** self.length_penalty,
-                          "stop" if tok in eos else "length")
-               for score, b, tok in cands[:self.width] if at_limit or tok in eos]
+        running = [(b, tok, score) for score, b, tok in cands if not (at_limit or tok in eos)][: self.width]
+        new = [
+            Hypothesis(
+                [*beams[b][1], tok], score, score / length**self.length_penalty, "stop" if tok in eos else "length"
+            )
+            for score, b, tok in cands[: self.width]
+            if at_limit or tok in eos
+        ]
         if new:
             # Stable: an earlier hypothesis wins a tie, as in transformers' merge (old ones first).
-            self.finished = sorted(self.finished + new, key=lambda h: -h.score)[:self.width]
+            self.finished = sorted(self.finished + new, key=lambda h: -h.score)[: self.width]
         self.num_generated = length
 
         full = len(self.finished) == self.width
         if full and running:
             never = self.early_stopping == "never" and self.length_penalty > 0.0
             best_length = self.max_new_tokens if never else length
-            best_possible = running[0][2] / best_length ** self.length_penalty
+            best_possible = running[0][2] / best_length**self.length_penalty
             self.improvable = best_possible > self.finished[-1].score
         all_stop = at_limit or all(tok in eos for _, _, tok in cands)
         if not self.improvable or (full and self.early_stopping is True) or all_stop or not running:

@@ -430,7 +430,8 @@ class LLMEngine:
         else:
             found = [(list(s.output_token_ids), s.cumulative_logprob, s.finish_reason) for s in group.seqs[:p.n]]
         tok = self.tokenizer
-        outs = [CompletionOutput(index=i, text=tok.decode(ids, skip_special_tokens=p.skip_special_tokens) if tok else "",
+        skip = p.skip_special_tokens
+        outs = [CompletionOutput(index=i, text=tok.decode(ids, skip_special_tokens=skip) if tok is not None else "",
                                  token_ids=ids, cumulative_logprob=cum, finish_reason=reason)
                 for i, (ids, cum, reason) in enumerate(found)]
         if finished and group.metrics.finished_time is None:

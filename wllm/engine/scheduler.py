@@ -197,8 +197,8 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]] | None) -> None:
-        """Swap `seq` out to the CPU pool if the pool has room (and `swap_out`, the step's copies, is given), else free it
-        to be recomputed. An idle beam (`_idle_beam`) queues behind the others: it needs to run only after its
+        """Swap `seq` out to the CPU pool if the pool has room (and `swap_out`, the step's copies, is given), else
+        free it to be recomputed. An idle beam (`_idle_beam`) queues behind the others: it needs to run only after its
         siblings have (at the front it would be admitted again at once, in place of what it made room for)."""
         self.running.remove(seq)
         n = cdiv(seq.num_computed_tokens, self.block_size)
