@@ -245,3 +245,4 @@ def test_openai_endpoints_return_the_beams(tmp_path_factory) -> None:
         r = client.post("/v1/completions", json={**body, "prompt": text, "best_of": 17})
         assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"
     assert_all_free(core)
+
