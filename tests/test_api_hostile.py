@@ -208,7 +208,7 @@ def test_too_many_json_values_is_400(client: TestClient, path: str) -> None:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_unknown_top_level_field_is_400_naming_it(client: TestClient, path: str) -> None:
-    for field in ("unknown_field", "temperatur", "reasoning_effort", "modalities", "length_penalty"):
+    for field in ("unknown_field", "temperatur", "reasoning_effort", "modalities", "beam_width"):
         err = assert_400(client.post(path, json={**VALID[path], field: 1}), param=field, case=f"{path} {field}")
         assert f"unknown field `{field}`" in err["message"] and err["code"] == "unknown_field"
 
@@ -230,11 +230,21 @@ def test_unknown_nested_fields_are_400_naming_them(client: TestClient) -> None:
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
 
 UNSUPPORTED: list[tuple[str, dict[str, Any], str, str]] = [
-    (CHAT, {"use_beam_search": True}, "use_beam_search", "not supported"),
-    (COMPLETIONS, {"use_beam_search": True}, "use_beam_search", "not supported"),
-    (CHAT, {"best_of": 2}, "best_of", "not supported"),
-    (COMPLETIONS, {"best_of": 2}, "best_of", "not supported"),
-    (COMPLETIONS, {"n": 2, "best_of": 3}, "best_of", "not supported"),
+    (CHAT, {"best_of": 2}, "best_of", "with use_beam_search only"),
+    (COMPLETIONS, {"best_of": 2}, "best_of", "with use_beam_search only"),
+    (COMPLETIONS, {"n": 2, "best_of": 3}, "best_of", "with use_beam_search only"),
+    (CHAT, {"length_penalty": 0.5}, "length_penalty", "beam search only"),
+    (COMPLETIONS, {"early_stopping": True}, "early_stopping", "beam search only"),
+    (CHAT, {"use_beam_search": True, "n": 3, "best_of": 2}, "best_of", "between n (3) and 16"),
+    (COMPLETIONS, {"use_beam_search": True, "best_of": 0}, "best_of", "between n (1) and 16"),
+    (COMPLETIONS, {"use_beam_search": True, "n": 0}, "n", "between 1 and 16"),
+    (COMPLETIONS, {"use_beam_search": True, "n": 17}, "n", "between 1 and 16"),
+    (CHAT, {"use_beam_search": True, "temperature": 0.7}, "temperature", "must be 0 with beam search"),
+    (CHAT, {"use_beam_search": True, "top_p": 0.5}, "top_p", "not supported with beam search"),
+    (CHAT, {"use_beam_search": True, "logprobs": True}, "logprobs", "not supported with beam search"),
+    (COMPLETIONS, {"use_beam_search": True, "stop": ["x"]}, "stop", "not supported with beam search"),
+    (COMPLETIONS, {"use_beam_search": True, "presence_penalty": 1.0}, "presence_penalty", "not supported with beam"),
+    (COMPLETIONS, {"use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping", "Invalid enum value"),
     (COMPLETIONS, {"suffix": "end"}, "suffix", "not supported"),
     (CHAT, {"functions": [TOOL["function"]]}, "functions", "not supported"),
     (CHAT, {"function_call": "auto"}, "function_call", "not supported"),

@@ -134,3 +134,26 @@ def test_cli_generate_prints_a_coherent_answer(capsys: pytest.CaptureFixture[str
 
     assert main(["generate", "What is the capital of France?", "--max-tokens", "32", "--device", "cpu"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+def test_beam_search_equals_transformers(llm: LLM, hf: tf.PreTrainedModel, prompts: list[list[int]]) -> None:
+    """`LLM.beam_search` returns the beams of transformers' num_beams search (tests/test_beam_search.py has the
+    rules in detail on tiny models)."""
+    from model_utils import one_thread
+    from test_beam_search import MAX_NEW, hf_beams
+
+    from wllm.sampling_params import BeamSearchParams
+
+    tok = llm.get_tokenizer()
+    eos = list(llm.engine.eos_token_ids)
+    for width, lp in [(2, 1.0), (4, 0.8)]:
+        with one_thread():
+            outs = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=width, max_tokens=MAX_NEW,
+                                                                 length_penalty=lp))
+            refs = [hf_beams(hf, ids, width, width, eos, lp) for ids in prompts[:2]]
+        for out, (want, scores) in zip(outs, refs):
+            assert [s.token_ids for s in out.sequences] == want
+            assert [s.score for s in out.sequences] == pytest.approx(scores, abs=1e-3)
+            assert out.sequences[0].text == tok.decode(want[0], skip_special_tokens=True)
+    s = llm.engine.scheduler
+    assert not s.seqs and s.kv.num_free_blocks == s.kv.pool.num_blocks

@@ -1,6 +1,6 @@
 """wLLM: an LLM inference server with prebuilt CUDA kernels and an OpenAI-compatible API.
 
-`from wllm import LLM, SamplingParams` for offline use; both are imported lazily so that
+`from wllm import LLM, SamplingParams` (and `BeamSearchParams`) for offline use; they are imported lazily so that
 `import wllm` (and the CLI's --help) stays cheap.
 """
 
@@ -12,9 +12,9 @@ from wllm.version import __version__
 
 if TYPE_CHECKING:
     from wllm.entrypoints.llm import LLM
-    from wllm.sampling_params import SamplingParams
+    from wllm.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,8 +22,8 @@ def __getattr__(name: str) -> Any:
         from wllm.entrypoints.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from wllm.sampling_params import SamplingParams
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from wllm import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     raise AttributeError(f"module 'wllm' has no attribute {name!r}")

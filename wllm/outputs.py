@@ -97,6 +97,24 @@ class CompletionOutput(msgspec.Struct):
         return self.finish_reason is not None
 
 
+class BeamSearchSequence(msgspec.Struct):
+    """One finished beam of `LLM.beam_search`: generated tokens (an EOS token included), their text, the raw
+    cumulative logprob and the score the beams are ranked by (cumulative logprob / length ** length_penalty)."""
+
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float
+    finish_reason: str  # "stop" (EOS) | "length"
+
+
+class BeamSearchOutput(msgspec.Struct):
+    """The beams of one prompt, best first."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSearchSequence]
+
+
 class RequestMetrics(msgspec.Struct):
     """Wall-clock times (time.monotonic seconds) of a request's life."""
 

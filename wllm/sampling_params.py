@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
 import msgspec
+
+# Fields beam search does not combine with, and their defaults (each is refused when set).
+_NOT_WITH_BEAMS = (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                   ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("logit_bias", None), ("min_tokens", 0),
+                   ("stop", []), ("stop_token_ids", []), ("logprobs", None), ("prompt_logprobs", None),
+                   ("grammar", None))
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -36,6 +45,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # An llguidance top-level grammar (the serialised form `llguidance.LLMatcher` accepts); built from request
     # fields by wllm.structured. The engine only ever sees this string.
     grammar: str | None = None
+    # Beam search (wllm.engine.beam_search) when > 0: this many beams, the best `n` of them returned. Deterministic,
+    # so the sampling fields above must keep their defaults, with temperature 0.
+    beam_width: int = 0
+    length_penalty: float = 1.0  # a finished beam's score: cumulative logprob / length ** length_penalty
+    early_stopping: bool | Literal["never"] = False  # as transformers' `early_stopping`
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for out-of-range values."""
@@ -67,6 +81,27 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be non-negative, got {value}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        if self.beam_width < 0:
+            raise ValueError(f"beam_width must be at least 1 for beam search (0: none), got {self.beam_width}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if not self.beam_width:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+                raise ValueError(f"{name} applies to beam search only (use_beam_search / beam_width)")
+            return
+        if self.n > self.beam_width:
+            raise ValueError(f"n ({self.n}) must not exceed the beam width ({self.beam_width})")
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0 with beam search (it is deterministic), got {self.temperature}")
+        for name, default in _NOT_WITH_BEAMS:
+            if getattr(self, name) != default:
+                raise ValueError(f"{name} is not supported with beam search")
 
     @property
     def greedy(self) -> bool:
@@ -76,3 +111,26 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def has_penalties(self) -> bool:
         """Whether repetition, frequency or presence penalties apply (they need the token counts)."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+class BeamSearchParams(msgspec.Struct, kw_only=True):
+    """Offline beam search (`LLM.beam_search`): `beam_width` beams, all returned, best first. The ranking and
+    stopping rules are HF transformers' `num_beams` search (see wllm.engine.beam_search)."""
+
+    beam_width: int
+    max_tokens: int | None = 16
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The engine's parameters for this search; raises ValueError for out-of-range values."""
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}")
+        params = SamplingParams(n=self.beam_width, beam_width=self.beam_width, temperature=0.0,
+                                max_tokens=self.max_tokens, length_penalty=self.length_penalty,
+                                early_stopping=self.early_stopping, ignore_eos=self.ignore_eos,
+                                skip_special_tokens=self.skip_special_tokens)
+        params.validate()
+        return params

@@ -423,7 +423,8 @@ class LLMEngine:
         # One output per request, in the order its first changed sequence came (dict keeps order).
         groups = {id(seq.group): seq.group for seq in changed}
         for group in groups.values():
-            if group.final_only and not group.is_finished:
+            # A beam search has no output before its end: which beams survive changes every step.
+            if (group.final_only or group.beam is not None) and not group.is_finished:
                 continue
             out = self._make_output(group)
             outputs.append(out)
@@ -464,6 +465,8 @@ class LLMEngine:
         finished = group.is_finished
         if finished and group.metrics.finished_time is None:
             group.metrics.finished_time = time.monotonic()
+        if group.beam is not None:
+            return self._beam_output(group, finished)
         want_lp = group.params.logprobs is not None
         # Running: views of the append-only lists (O(1) per stream per step); finished: lists, copied once.
         snap = list if finished else ListPrefix
@@ -491,6 +494,27 @@ class LLMEngine:
             error=group.error,
             pooled=group.pooled,
         )
+
+    def _beam_output(self, group: RequestGroup, finished: bool) -> RequestOutput:
+        """A beam search's output: its best `n` hypotheses, best first, once it is over; the running beams (with
+        their finish reason, "abort" or "error") if it was stopped before."""
+        beam = group.beam
+        assert beam is not None
+        p = group.params
+        if beam.done:
+            found = [(h.token_ids, h.cumulative_logprob, h.finish_reason) for h in beam.results(p.n)]
+        else:
+            found = [(list(s.output_token_ids), s.cumulative_logprob, s.finish_reason) for s in group.seqs[:p.n]]
+        tok = self.tokenizer
+        skip = p.skip_special_tokens
+        outs = [CompletionOutput(index=i, text=tok.decode(ids, skip_special_tokens=skip) if tok is not None else "",
+                                 token_ids=ids, cumulative_logprob=cum, finish_reason=reason)
+                for i, (ids, cum, reason) in enumerate(found)]
+        if finished and group.metrics.finished_time is None:
+            group.metrics.finished_time = time.monotonic()
+        return RequestOutput(request_id=group.request_id, prompt_token_ids=group.prompt_list(), outputs=outs,
+                             finished=finished, num_cached_tokens=max(group.seqs[0].num_cached_tokens, 0) if group.seqs
+                             else 0, metrics=group.metrics, error=group.error)
 
     # --------------------------------------------------------------------------------------- stats
     def stats(self) -> dict[str, float | int]:

@@ -24,6 +24,7 @@ from wllm.outputs import RequestMetrics, StepLogprobs
 from wllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from wllm.engine.beam_search import BeamSearch
     from wllm.engine.block_pool import KVBlock
     from wllm.engine.sampler import SamplingRow
     from wllm.engine.stop_checker import TextState
@@ -161,7 +162,9 @@ class RequestGroup:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs: list[Sequence] = [Sequence(self, 0)]
-        self.num_pending_forks = params.n - 1
+        # Beam search keeps `beam_width` beams through `beam` (set by the scheduler), not n - 1 forks of the prompt.
+        self.num_pending_forks = 0 if params.beam_width else params.n - 1
+        self.beam: BeamSearch | None = None
         self.final_only = final_only  # outputs only when finished (LLMEngine.add_request)
         self.prompt_logprobs: list[StepLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None

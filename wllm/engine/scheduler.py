@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import Any
 
+from wllm.engine.beam_search import BeamSearch
 from wllm.engine.config import CacheConfig, SchedulerConfig
 from wllm.engine.kv_cache_manager import KVCacheManager, cdiv
 from wllm.engine.request import QueueFullError, RequestGroup, Sequence, SequenceStatus
@@ -126,6 +127,16 @@ class Scheduler:
                 f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len}, including "
                 "at least one generated token)"
             )
+        width = group.params.beam_width
+        if width:
+            # The beams advance in lockstep: all of them must be able to run at once.
+            if width > self.config.max_num_seqs:
+                raise ValueError(f"the beam width {width} exceeds this engine's max_num_seqs "
+                                 f"({self.config.max_num_seqs})")
+            max_new = self.max_model_len - len(group.prompt_token_ids)
+            if group.params.max_tokens is not None:
+                max_new = min(max_new, group.params.max_tokens)
+            group.beam = BeamSearch(group.params, max_new, self.eos_token_ids)
         if self.config.max_waiting and len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.max_waiting} requests); retry later"
@@ -176,14 +187,29 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------- schedule
     def _victim(self) -> Sequence:
+        idle = self._idle_beam()
+        if idle is not None:
+            return idle
         if self.config.policy == "priority":
             return max(self.running, key=lambda s: (s.priority, s.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]]) -> None:
+    def _idle_beam(self) -> Sequence | None:
+        """The last running beam that has its candidates and waits for its siblings': it needs no blocks until
+        the beam search step, so it is the first to give them up."""
+        for seq in reversed(self.running):
+            if seq.group.beam is not None and seq.num_computed_tokens >= seq.num_tokens:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]] | None) -> None:
+        """Swap `seq` out to the CPU pool if the pool has room (and `swap_out`, the step's copies, is given), else
+        free it to be recomputed. An idle beam (`_idle_beam`) queues behind the others: it needs to run only after its
+        siblings have (at the front it would be admitted again at once, in place of what it made room for)."""
         self.running.remove(seq)
         n = cdiv(seq.num_computed_tokens, self.block_size)
-        if 0 < n <= len(self.cpu_free):
+        idle = seq.group.beam is not None and seq.num_computed_tokens >= seq.num_tokens
+        if swap_out is not None and 0 < n <= len(self.cpu_free):
             cpu_ids = [self.cpu_free.pop() for _ in range(n)]
             swap_out.extend(zip([b.block_id for b in seq.blocks[:n]], cpu_ids))
             self.kv.free(seq)
@@ -195,10 +221,25 @@ class Scheduler:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            self.waiting.push(seq, front=True)
+            self.waiting.push(seq, front=not idle)
             self.num_preemptions_recompute += 1
 
     def schedule(self, in_flight: StepPlan | None = None) -> StepPlan | None:
+        """`_schedule`, plus the way out of one stall of beam search: a beam that has its candidates waits for
+        its siblings' while holding its blocks, so beams that wait for blocks (swapped out or queued) could wait
+        on them forever. When a step would be empty while sequences wait, such idle beams give their blocks back
+        one by one (to be recomputed, mostly from the prefix cache; their candidates are kept) until something
+        can run."""
+        plan = self._schedule(in_flight)
+        while in_flight is None and plan is not None and plan.is_empty and (self.swapped or len(self.waiting)):
+            idle = self._idle_beam()
+            if idle is None:
+                break
+            self._preempt(idle, None)  # recomputed, not swapped: the step that would copy it out is empty
+            plan = self._schedule()
+        return plan
+
+    def _schedule(self, in_flight: StepPlan | None = None) -> StepPlan | None:
         """The next step under one token budget: running sequences first (a decode token each, or the
         next chunk of a prompt), preempting the least important when the pool runs dry, then swapped-out
         ones, then waiting ones (`_admit_waiting`).
@@ -338,6 +379,8 @@ class Scheduler:
             k = row.num_samples
             r += k
             seq = seqs.get(row.seq_id)
+            if k and seq is not None and seq.group.beam is not None:
+                return "beam search in flight"  # which beams go on is decided once the step is applied
             if seq is None or seq.status is not SequenceStatus.RUNNING or \
                     (row.sampling is not None and seq.sampling_row is not row.sampling):
                 if k and seq is not None and seq.status is SequenceStatus.RUNNING:
@@ -447,7 +490,8 @@ class Scheduler:
         if num_samples:
             sampling = seq.sampling_row
             if sampling is None:
-                sampling = seq.sampling_row = SamplingRow(group.params, group.seed, seq.index, seq.prompt_token_ids,
+                params = group.params if group.beam is None else group.beam.sampling_params
+                sampling = seq.sampling_row = SamplingRow(params, group.seed, seq.index, seq.prompt_token_ids,
                                                           seq.output_token_ids, self.eos_token_ids)
         return StepRow(seq.seq_id, seq.token_ids(start, end), start, seq.block_ids,
                        num_samples, sampling, top, targets, first)
@@ -487,7 +531,9 @@ class Scheduler:
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             sampled = result.sampled
-            if len(sampled) > 1 and was_prompt:
+            if group.beam is not None:
+                changed.extend(self._beam_sampled(seq, sched, sampled[0]))
+            elif len(sampled) > 1 and was_prompt:
                 # Fork before the parent's own token: that token may finish it and free its blocks.
                 children = self._fork(seq, sampled[1:])
                 self._append(seq, sampled[0])
@@ -529,6 +575,70 @@ class Scheduler:
             self._append(child, tok)
             children.append(child)
         return children
+
+    # ------------------------------------------------------------------------------- beam search
+    def _beam_sampled(self, seq: Sequence, row: StepRow, tok: SampledToken) -> list[Sequence]:
+        """A beam's candidates came; once every running beam of its request has its own, take the beam search step
+        (`_beam_step`). Returns the sequences that changed."""
+        if row.start_pos + len(row.token_ids) != seq.num_tokens:
+            return []  # a recomputed beam's result for a position it has moved past meanwhile
+        group = seq.group
+        beam = group.beam
+        assert beam is not None and tok.logprobs is not None
+        beam.pending[seq.seq_id] = tok.logprobs.top
+        live = group.seqs
+        if any(s.seq_id not in beam.pending for s in live):
+            return []  # the others run in a later step (the budget split them, or one was preempted)
+        return self._beam_step(group)
+
+    def _beam_step(self, group: RequestGroup) -> list[Sequence]:
+        """Apply one beam search step to the request's running beams (`group.seqs`, best first): a beam chosen
+        once continues in place, one chosen again is forked (its full blocks shared, its partial last block
+        copied), one not chosen is dropped and its blocks freed. When the search is over every beam is finished
+        (the results are the search's hypotheses)."""
+        beam = group.beam
+        assert beam is not None
+        live = list(group.seqs)
+        pending, beam.pending = beam.pending, {}
+        chosen = beam.step([(s.cumulative_logprob, s.output_token_ids, pending[s.seq_id]) for s in live])
+        if not chosen:
+            for s in live:
+                self.finish_seq(s, "stop")
+            return live
+        children: dict[int, list[int]] = {}
+        for j, (b, _, _) in enumerate(chosen):
+            children.setdefault(b, []).append(j)
+        for b, s in enumerate(live):
+            if b not in children:  # dropped first, so that its blocks can serve the forks below
+                self.finish_seq(s, "abort")
+        new: list[Sequence | None] = [None] * len(chosen)
+        for b, js in children.items():
+            parent = live[b]
+            for j in js[1:]:  # forks before the parent's own token: they copy its KV as it is now
+                child = Sequence(group, beam.next_index, parent.output_token_ids)
+                beam.next_index += 1
+                child.num_cached_tokens = parent.num_cached_tokens
+                self.seqs[child.seq_id] = child
+                copy = self.kv.fork(parent, child) if parent.status is SequenceStatus.RUNNING else False
+                if copy is False:
+                    # No block for the copy of the last block (or the parent is not on the device): recompute.
+                    child.status = SequenceStatus.WAITING
+                    self.waiting.push(child, front=True)
+                else:
+                    if copy is not None:
+                        self._pending_copies.append(copy)
+                    child.status = SequenceStatus.RUNNING
+                    self.running.append(child)
+                new[j] = child
+            new[js[0]] = parent
+        for j, (_, token, score) in enumerate(chosen):
+            s = new[j]
+            assert s is not None
+            s.append_token(token)
+            s.cumulative_logprob = score
+            self.num_generation_tokens += 1
+        group.seqs = new  # type: ignore[assignment]
+        return list(group.seqs)
 
     def fail_step(self, out: StepPlan, message: str) -> list[RequestGroup]:
         """A step raised: finish every request it touched with an error and drop their cached

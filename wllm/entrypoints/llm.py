@@ -21,9 +21,9 @@ from typing import Any
 
 from wllm.engine.llm_engine import LLMEngine
 from wllm.model.pooling import check_dimensions, embed_input, pair_input
-from wllm.outputs import RequestOutput
+from wllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from wllm.pooling_params import PoolingParams
-from wllm.sampling_params import SamplingParams
+from wllm.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -163,6 +163,18 @@ class LLM:
                 self.engine.abort(rid)
             raise
         return [final[rid] for rid in ids]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (all prompts batched together); returns each prompt's `beam_width` beams,
+        best first. Ranking and stopping follow HF transformers' `generate(num_beams=...)`; see
+        docs/beam_search.md."""
+        sampling = params.to_sampling_params()
+        outs = self.generate(prompts, sampling)
+        lp = params.length_penalty
+        return [BeamSearchOutput(out.prompt_token_ids, [
+            BeamSearchSequence(c.text, list(c.token_ids), c.cumulative_logprob or 0.0,
+                               (c.cumulative_logprob or 0.0) / max(1, len(c.token_ids)) ** lp, c.finish_reason or "")
+            for c in out.outputs]) for out in outs]
 
     def chat(
         self,

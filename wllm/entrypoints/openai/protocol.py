@@ -109,9 +109,12 @@ class _SamplingFields(_Strict, kw_only=True):
     # Accepted, no effect: OpenAI's end-user id (for the provider's abuse monitoring); SDKs and
     # proxies send it, and it changes no output.
     user: str | None = None
-    # Known, not implemented: refused when set (beam search; best_of other than n).
+    # Beam search (vLLM's fields): the beam width is best_of if set, else n; the best n beams are returned.
+    # best_of other than n is refused without use_beam_search, as are length_penalty and early_stopping.
     use_beam_search: bool = False
     best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # vLLM-style extras
     top_k: int | None = None
     min_p: float | None = None

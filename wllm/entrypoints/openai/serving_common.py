@@ -275,9 +275,13 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
 def reject_unsupported(req: Any) -> None:
     """400 for the sampling fields chat and completions declare but do not implement, when set."""
     if req.use_beam_search:
-        raise bad_request("use_beam_search is not supported by this server", param="use_beam_search")
+        return  # the beam search's own bounds are checked by build_sampling_params
     if req.best_of is not None and req.best_of != req.n:
-        raise bad_request("best_of is not supported (only best_of equal to n)", param="best_of")
+        raise bad_request("best_of other than n is supported with use_beam_search only (as the beam width)",
+                          param="best_of")
+    for field, default in (("length_penalty", 1.0), ("early_stopping", False)):
+        if getattr(req, field) != default:
+            raise bad_request(f"{field} applies to beam search only; set use_beam_search", param=field)
 
 
 def build_sampling_params(ctx: ServerContext, req: Any, *, max_tokens: int, logprobs: int | None,
@@ -286,6 +290,12 @@ def build_sampling_params(ctx: ServerContext, req: Any, *, max_tokens: int, logp
     cfg = ctx.config
     if not 1 <= req.n <= cfg.max_n:
         raise bad_request(f"n must be between 1 and {cfg.max_n}, got {req.n}", param="n")
+    width = 0
+    if req.use_beam_search:
+        width = req.n if req.best_of is None else req.best_of
+        if not req.n <= width <= cfg.max_n:
+            raise bad_request(f"best_of (the beam width) must be between n ({req.n}) and {cfg.max_n}, got {width}",
+                              param="best_of")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > cfg.max_stop:
         raise bad_request(f"at most {cfg.max_stop} stop sequences are allowed, got {len(stop)}", param="stop")
@@ -316,7 +326,8 @@ def build_sampling_params(ctx: ServerContext, req: Any, *, max_tokens: int, logp
             raise bad_request(f"stop_token_ids entry {token_id} is out of range", param="stop_token_ids")
     params = SamplingParams(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
+        # Beam search is deterministic: temperature unset means 0 there (any other value is refused below).
+        temperature=(0.0 if width else 1.0) if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
@@ -334,6 +345,9 @@ def build_sampling_params(ctx: ServerContext, req: Any, *, max_tokens: int, logp
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        beam_width=width,
+        length_penalty=req.length_penalty,
+        early_stopping=req.early_stopping,
     )
     if params.temperature > 2.0 + 1e-9 and req.temperature is not None:
         raise bad_request(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")
