@@ -150,7 +150,7 @@ async def messages(request: Request[Any, Any, Any], data: JSONBody[MessagesReque
 @post("/v1/messages/count_tokens", status_code=200, summary="Count a message request's input tokens",
       exception_handlers=ANTHROPIC_HANDLERS)
 async def messages_count_tokens(request: Request[Any, Any, Any], data: JSONBody[CountTokensRequest]) -> TokenCount:
-    return count_tokens(_ctx(request), data)
+    return await count_tokens(_ctx(request), data)
 
 
 def _card(ctx: ServerContext, name: str) -> ModelCard:
