@@ -18,6 +18,7 @@ import pytest
 from chat_recordings import TEXT_COMPLETION, TOOL_CALL_CHUNKS, TOOL_CALL_COMPLETION
 from fake_engine import ScriptedEngine
 from litestar.testing import TestClient
+from test_api_responses import HERMES_REPLY, RENDERED_CALL, qwen3
 
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.chat_view import view
@@ -152,14 +153,26 @@ def test_content_blocks_reach_the_chat_template() -> None:
     )
 
 
-def test_count_tokens_matches_usage(client: TestClient) -> None:
-    body = {"model": "default", "system": "Be brief.", "messages": HI, "tools": TOOLS}
-    r = client.post("/v1/messages/count_tokens", json=body)
-    assert r.status_code == 200 and set(r.json()) == {"input_tokens"}
-    u = post(client, **body).json()["usage"]
-    assert r.json()["input_tokens"] == u["input_tokens"] + u["cache_read_input_tokens"]
-    r = client.post("/v1/messages/count_tokens", json={"model": "default", "messages": []})
-    assert r.status_code == 400 and r.json()["type"] == "error"
+@pytest.mark.parametrize("tool_choice", [None, {"type": "auto"}, {"type": "any"}, {"type": "none"}])
+def test_count_tokens_matches_usage(tool_choice: dict[str, str] | None) -> None:
+    """With tools the generic format adds a system message describing them (its text depends on tool_choice):
+    count_tokens goes through the same tool plan, so it counts that message too."""
+    body: dict[str, Any] = {"model": "default", "system": "Be brief.", "messages": HI, "tools": TOOLS}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    with TestClient(create_app(ScriptedEngine(max_model_len=4096))) as client:
+        r = client.post("/v1/messages/count_tokens", json=body)
+        assert r.status_code == 200 and set(r.json()) == {"input_tokens"}
+        u = post(client, **body).json()["usage"]
+        assert r.json()["input_tokens"] == u["input_tokens"] + u["cache_read_input_tokens"]
+        without_tools = client.post("/v1/messages/count_tokens", json={**body, "tools": None, "tool_choice": None})
+        if tool_choice != {"type": "none"}:  # under none the generic format does not describe the tools
+            assert without_tools.json()["input_tokens"] < r.json()["input_tokens"]
+        r = client.post("/v1/messages/count_tokens", json={"model": "default", "messages": []})
+        assert r.status_code == 400 and r.json()["type"] == "error"
+        # the chat path's tool checks hold here too, in Anthropic's shape
+        r = client.post("/v1/messages/count_tokens", json={**body, "tool_choice": {"type": "tool", "name": "nope"}})
+        assert r.status_code == 400 and "nope" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- translation (unit)
@@ -190,17 +203,18 @@ def test_request_mapping_to_chat() -> None:
         40,
         "u",
     )
-    assert chat.tools == [
+    assert msgspec.to_builtins(chat.tools) == [
         {
             "type": "function",
             "function": {
                 "name": "get_weather",
                 "parameters": TOOLS[0]["input_schema"],
                 "description": "Weather in a city",
+                "strict": None,  # the typed struct's default
             },
         }
     ]
-    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert msgspec.to_builtins(chat.tool_choice) == {"type": "function", "function": {"name": "get_weather"}}
     assert chat.parallel_tool_calls is False
     assert chat.response_format == {
         "type": "json_schema",
@@ -291,7 +305,7 @@ def test_tool_round_trip_through_the_translation() -> None:
     user, assistant, tool1, tool2, after = chat.messages
     assert assistant.role == "assistant" and assistant.content is None
     assert assistant.reasoning_content == "The user wants the weather and the time."
-    assert assistant.tool_calls == [
+    assert msgspec.to_builtins(assistant.tool_calls) == [
         {"id": "call_w1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
         {"id": "call_t2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
     ]
@@ -303,13 +317,120 @@ def test_tool_round_trip_through_the_translation() -> None:
     assert second["stop_reason"] == "end_turn"
 
 
-def test_tools_reach_the_chat_path(client: TestClient) -> None:
-    r = post(client, tools=TOOLS, tool_choice={"type": "auto"})
-    assert r.status_code == 200, r.text
-    # The chat path refuses what it cannot do yet, with its 400, in Anthropic's shape.
-    r = post(client, tools=TOOLS, tool_choice={"type": "any"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    assert "tool_choice 'required'" in r.json()["error"]["message"]
+def test_tools_reach_the_chat_path() -> None:
+    """Each tool_choice reaches the chat path's tool plan: the character tokenizer has no template, so the
+    generic format describes the tools in a system message, and any / tool set a tool grammar (enforced
+    once the engine applies `SamplingParams.grammar`)."""
+    engine = ScriptedEngine(max_model_len=4096)
+    with TestClient(create_app(engine)) as c:
+        for choice, says in (
+            ({"type": "auto"}, "If no function is needed"),
+            ({"type": "any"}, "You must call a function now."),
+            ({"type": "tool", "name": "get_weather"}, "Call the function get_weather now."),
+        ):
+            r = post(c, tools=TOOLS, tool_choice=choice)
+            assert r.status_code == 200, r.text
+            prompt_ids, params = engine.calls[-1][:2]
+            assert '"name": "get_weather"' in engine.tokenizer.decode(prompt_ids)
+            assert says in engine.tokenizer.decode(prompt_ids)
+            if choice["type"] != "auto":
+                assert params.grammar is not None and "get_weather" in params.grammar
+        r = post(c, tools=TOOLS, tool_choice={"type": "none"})
+        assert r.status_code == 200 and engine.calls[-1][1].grammar is None
+        assert "get_weather" not in engine.tokenizer.decode(engine.calls[-1][0])
+        r = post(c, tools=TOOLS, tool_choice={"type": "tool", "name": "get_time"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "get_time" in r.json()["error"]["message"]
+
+
+def test_tool_use_round_trip_through_the_chat_parser() -> None:
+    """The model's Hermes-format reply is parsed by the chat path into thinking, text and tool_use blocks,
+    whole and streamed (input_json_delta fragments), stop_reason tool_use; the tool_result goes back and
+    renders into the next prompt with the call."""
+    client, engine = qwen3(HERMES_REPLY)
+    with client:
+        ask: dict[str, Any] = {"tools": TOOLS, "temperature": 0, "max_tokens": 200}
+        ask["messages"] = [{"role": "user", "content": "Weather in Paris?"}]
+        first = post(client, **ask).json()
+        assert first["stop_reason"] == "tool_use" and first["stop_sequence"] is None
+        thinking, text, use = first["content"]
+        assert thinking == {"type": "thinking", "thinking": "The user wants the weather.", "signature": ""}
+        assert text == {"type": "text", "text": "Let me check.", "citations": None}
+        assert (use["type"], use["name"], use["input"]) == ("tool_use", "get_weather", {"city": "Paris"})
+
+        r = post(client, **ask, stream=True)
+        evs = events(r.text)
+        starts = [d["content_block"] for e, d in evs if e == "content_block_start"]
+        assert [b["type"] for b in starts] == ["thinking", "text", "tool_use"]
+        assert starts[2]["name"] == "get_weather" and starts[2]["input"] == {}
+        parts = [d["delta"]["partial_json"] for e, d in evs if e == "content_block_delta" and d["index"] == 2]
+        assert len(parts) > 1 and "".join(parts) == '{"city": "Paris"}'
+        assert not any("tool_call" in d["delta"].get("text", "") for e, d in evs if e == "content_block_delta")
+        [delta] = [d for e, d in evs if e == "message_delta"]
+        assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+        assert [e for e, _ in evs][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+
+        engine.replies = ["It is 22 C in Paris."]
+        history = [
+            *ask["messages"],
+            {"role": "assistant", "content": first["content"]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "22 C"}]},
+        ]
+        second = post(client, tools=TOOLS, temperature=0, max_tokens=200, messages=history).json()
+        prompt = engine.tokenizer.decode(engine.calls[-1][0])
+        assert prompt.endswith(RENDERED_CALL), prompt
+        assert second["content"] == [{"type": "text", "text": "It is 22 C in Paris.", "citations": None}]
+        assert second["stop_reason"] == "end_turn"
+
+
+def test_truncated_tool_use_is_max_tokens_never_500() -> None:
+    head = HERMES_REPLY[: HERMES_REPLY.index('{"city"')]
+    client, _ = qwen3(HERMES_REPLY)
+    with client:
+        for stream in (False, True):
+            r = post(client, tools=TOOLS, temperature=0, max_tokens=len(head) + 5, stream=stream)
+            assert r.status_code == 200, r.text
+            if stream:
+                evs = events(r.text)
+                assert "error" not in [e for e, _ in evs]
+                [delta] = [d for e, d in evs if e == "message_delta"]
+                assert delta["delta"]["stop_reason"] == "max_tokens"
+            else:
+                body = r.json()
+                assert body["stop_reason"] == "max_tokens"
+                assert body["content"][-1] == {"type": "tool_use", "id": body["content"][-1]["id"],
+                                               "name": "get_weather", "input": {}}
+
+
+def test_anthropic_client_reads_tool_use() -> None:
+    client, engine = qwen3(HERMES_REPLY)
+    greedy = {"extra_body": {"temperature": 0}}
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+
+    async def main() -> None:
+        http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=client.app), base_url="http://wllm")
+        claude = anthropic.AsyncAnthropic(base_url="http://wllm", api_key="none", http_client=http, max_retries=0)
+        m = await claude.messages.create(model="default", max_tokens=200, messages=ask, tools=TOOLS, **greedy)
+        [use] = [b for b in m.content if b.type == "tool_use"]
+        assert m.stop_reason == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
+        async with claude.messages.stream(model="default", max_tokens=200, messages=ask, tools=TOOLS, **greedy) as s:
+            final = await s.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[-1].input == {"city": "Paris"}
+        engine.replies = ["It is 22 C in Paris."]
+        done = await claude.messages.create(
+            model="default",
+            max_tokens=200,
+            tools=TOOLS,
+            messages=[
+                *ask,
+                {"role": "assistant", "content": m.content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "22 C"}]},
+            ],
+            **greedy,
+        )
+        assert done.content[0].type == "text" and done.content[0].text == "It is 22 C in Paris."
+
+    asyncio.run(main())
 
 
 # ---------------------------------------------------------------- errors and auth
@@ -332,6 +453,11 @@ def test_tools_reach_the_chat_path(client: TestClient) -> None:
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
         ({"tools": [{"name": "x"}]}, "input_schema"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
+        # the chat path's tool checks, in this API's names
+        ({"tools": [{**TOOLS[0], "name": "a b"}]}, "tools[0].name 'a b' is not a valid"),
+        ({"tools": [{**TOOLS[0], "input_schema": {"type": "string"}}]}, "tools[0].input_schema must be"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice 'any' needs tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "g"}}, "names the function 'g'"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"output_config": {"effort": "high"}}, "output_config.effort"),
         ({"temperature": 1.5}, "temperature must be in [0, 1]"),

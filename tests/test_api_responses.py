@@ -15,6 +15,7 @@ import pytest
 from chat_recordings import TEXT_COMPLETION, TOOL_CALL_CHUNKS, TOOL_CALL_COMPLETION, WEATHER_ARGS
 from fake_engine import ScriptedEngine
 from litestar.testing import TestClient
+from tool_templates import QWEN3_TEMPLATE, TemplateTokenizer
 
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.chat_view import view
@@ -29,6 +30,17 @@ from wllm.entrypoints.openai.serving_responses import (
 )
 
 REPLY = "Hello! I am a scripted reply."
+# What a Qwen3 model writes: its template selects the hermes tool-call parser and the <think> reasoning parser.
+HERMES_REPLY = (
+    "<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+)
+# Qwen3's template renders that turn back, and the tool's output after it.
+RENDERED_CALL = (
+    '<|im_start|>assistant\nLet me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22 C\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
 TOOLS = [
     {
         "type": "function",
@@ -43,6 +55,20 @@ TOOLS = [
 def client() -> Iterator[TestClient]:
     with TestClient(create_app(ScriptedEngine())) as c:
         yield c
+
+
+def qwen3(reply: str) -> tuple[TestClient, ScriptedEngine]:
+    engine = ScriptedEngine(max_model_len=8192, replies=(reply,))
+    engine.tokenizer = TemplateTokenizer(QWEN3_TEMPLATE)
+    return TestClient(create_app(engine)), engine
+
+
+def without_ids(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "call_id")}
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    return value
 
 
 def events(text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -176,17 +202,18 @@ def test_request_mapping_to_chat() -> None:
     chat = to_chat_request(r, parse_input(r.input))
     assert [(m.role, m.content) for m in chat.messages] == [("system", "sys"), ("user", "Hi")]
     assert (chat.max_tokens, chat.temperature, chat.top_p, chat.parallel_tool_calls) == (7, 0.5, 0.9, False)
-    assert chat.tools == [
+    assert msgspec.to_builtins(chat.tools) == [
         {
             "type": "function",
             "function": {
                 "name": "get_weather",
                 "description": "Weather in a city",
                 "parameters": TOOLS[0]["parameters"],
+                "strict": None,  # the typed struct's default
             },
         }
     ]
-    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert msgspec.to_builtins(chat.tool_choice) == {"type": "function", "function": {"name": "get_weather"}}
     assert chat.response_format == {
         "type": "json_schema",
         "json_schema": {"name": "w", "schema": {"type": "object"}, "strict": True},
@@ -282,7 +309,7 @@ def test_tool_round_trip_through_the_translation() -> None:
     user, assistant, tool1, tool2 = chat.messages
     assert user.role == "user" and assistant.role == "assistant" and assistant.content is None
     assert assistant.reasoning_content == "The user wants the weather and the time."
-    assert assistant.tool_calls == [
+    assert msgspec.to_builtins(assistant.tool_calls) == [
         {"id": "call_w1", "type": "function", "function": {"name": "get_weather", "arguments": WEATHER_ARGS}},
         {"id": "call_t2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
     ]
@@ -301,7 +328,7 @@ def test_message_then_function_call_is_one_assistant_turn() -> None:
     ]
     chat = to_chat_request(req(input=items), parse_input(items))
     assert [m.role for m in chat.messages] == ["user", "assistant", "tool"]
-    assert chat.messages[1].tool_calls[0]["id"] == "c1" and chat.messages[1].content[0].text == "t"
+    assert chat.messages[1].tool_calls[0].id == "c1" and chat.messages[1].content[0].text == "t"
 
 
 def test_store_is_bounded() -> None:
@@ -317,18 +344,125 @@ def test_store_is_bounded() -> None:
     assert len(tiny) == 0
 
 
-# ---------------------------------------------------------------- tools through today's chat path
+# ---------------------------------------------------------------- tools through the chat path
 
 
-def test_tools_reach_the_chat_path(client: TestClient) -> None:
-    r = client.post("/v1/responses", json={"input": "Weather?", "tools": TOOLS, "tool_choice": "auto"})
-    assert r.status_code == 200 and r.json()["tools"] == TOOLS and r.json()["tool_choice"] == "auto"
-    # The chat path refuses what it cannot do yet, with its 400, under this API's field names.
-    r = client.post("/v1/responses", json={"input": "Weather?", "tools": TOOLS, "tool_choice": "required"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    r = client.post("/v1/responses", json={"input": "x", "text": {"format": {"type": "json_object"}}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
-    assert "text.format type 'json_object'" in r.json()["error"]["message"]
+def test_tools_reach_the_chat_path() -> None:
+    """Each tool_choice reaches the chat path's tool plan: the character tokenizer has no template, so the
+    generic format describes the tools in a system message, and required / named set a tool grammar
+    (enforced once the engine applies `SamplingParams.grammar`)."""
+    engine = ScriptedEngine(max_model_len=4096)
+    named = {"type": "function", "name": "get_weather"}
+    with TestClient(create_app(engine)) as c:
+        for choice, says in (
+            ("auto", "If no function is needed"),
+            ("required", "You must call a function now."),
+            (named, "Call the function get_weather now."),
+        ):
+            r = c.post("/v1/responses", json={"input": "Weather?", "tools": TOOLS, "tool_choice": choice})
+            assert r.status_code == 200, r.text
+            assert r.json()["tools"] == TOOLS and r.json()["tool_choice"] == choice
+            prompt_ids, params = engine.calls[-1][:2]
+            assert '"name": "get_weather"' in engine.tokenizer.decode(prompt_ids)
+            assert says in engine.tokenizer.decode(prompt_ids)
+            if choice != "auto":
+                assert params.grammar is not None and "get_weather" in params.grammar
+        r = c.post("/v1/responses", json={"input": "Weather?", "tools": TOOLS, "tool_choice": "none"})
+        assert r.status_code == 200 and engine.calls[-1][1].grammar is None
+        assert "get_weather" not in engine.tokenizer.decode(engine.calls[-1][0])
+        r = c.post("/v1/responses", json={"input": "x", "tool_choice": named, "tools": [{**TOOLS[0], "name": "f"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+        # JSON output waits for the grammar engine: the chat path's 400, under this API's field names.
+        r = c.post("/v1/responses", json={"input": "x", "text": {"format": {"type": "json_object"}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "text.format"
+        assert "text.format type 'json_object'" in r.json()["error"]["message"]
+
+
+def test_function_call_round_trip_through_the_chat_parser() -> None:
+    """The model's Hermes-format reply is parsed by the chat path into reasoning, message and function_call
+    items, whole and streamed (arguments in fragments); the call's output goes back as input (whole, or
+    after previous_response_id) and renders into the next prompt with the call."""
+    client, engine = qwen3(HERMES_REPLY)
+    body = {"input": "Weather in Paris?", "tools": TOOLS, "temperature": 0}
+    with client:
+        first = client.post("/v1/responses", json=body).json()
+        assert first["status"] == "completed" and first["incomplete_details"] is None
+        reasoning, message, call = first["output"]
+        assert reasoning["type"] == "reasoning"
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": "The user wants the weather."}]
+        assert message["type"] == "message" and message["content"][0]["text"] == "Let me check."
+        assert (call["type"], call["name"], call["arguments"], call["status"]) == (
+            "function_call",
+            "get_weather",
+            WEATHER_ARGS,
+            "completed",
+        )
+        assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
+        assert first["usage"]["output_tokens"] == len(HERMES_REPLY)
+
+        evs = events(client.post("/v1/responses", json={**body, "stream": True}).text)
+        deltas = [d["delta"] for e, d in evs if e == "response.function_call_arguments.delta"]
+        assert len(deltas) > 1 and "".join(deltas) == WEATHER_ARGS  # the model's text, in pieces
+        [done] = [d for e, d in evs if e == "response.function_call_arguments.done"]
+        assert (done["name"], done["arguments"], done["output_index"]) == ("get_weather", WEATHER_ARGS, 2)
+        added = [d["item"] for e, d in evs if e == "response.output_item.added"]
+        assert [a["type"] for a in added] == ["reasoning", "message", "function_call"]
+        assert added[2]["name"] == "get_weather" and added[2]["arguments"] == ""
+        assert not any("tool_call" in d.get("delta", "") for e, d in evs if e == "response.output_text.delta")
+        assert evs[-1][0] == "response.completed"
+        assert without_ids(evs[-1][1]["response"]["output"]) == without_ids(first["output"])
+
+        engine.replies = ["It is 22 C in Paris."]
+        result = {"type": "function_call_output", "call_id": call["call_id"], "output": "22 C"}
+        items = [{"role": "user", "content": "Weather in Paris?"}, *first["output"], result]
+        second = client.post("/v1/responses", json={"input": items, "tools": TOOLS, "temperature": 0}).json()
+        prompt = engine.tokenizer.decode(engine.calls[-1][0])
+        assert prompt.endswith(RENDERED_CALL), prompt
+        assert second["status"] == "completed" and [o["type"] for o in second["output"]] == ["message"]
+        assert second["output"][0]["content"][0]["text"] == "It is 22 C in Paris."
+        # the same turn after previous_response_id: the stored conversation holds the call
+        chained = client.post(
+            "/v1/responses",
+            json={"previous_response_id": first["id"], "input": [result], "tools": TOOLS, "temperature": 0},
+        )
+        assert chained.status_code == 200, chained.text
+        assert engine.tokenizer.decode(engine.calls[-1][0]) == prompt
+
+
+def test_truncated_function_call_is_incomplete() -> None:
+    head = HERMES_REPLY[: HERMES_REPLY.index('{"city"')]
+    client, _ = qwen3(HERMES_REPLY)
+    with client:
+        body = {"input": "Weather?", "tools": TOOLS, "temperature": 0, "max_output_tokens": len(head) + 5}
+        r = client.post("/v1/responses", json=body).json()
+        assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert r["output"][-1]["type"] == "function_call" and r["output"][-1]["arguments"] == '{"cit'
+        assert r["output"][-1]["status"] == "incomplete"
+
+
+def test_openai_client_reads_function_calls() -> None:
+    client, engine = qwen3(HERMES_REPLY)
+    with client as c:
+        oai = openai.OpenAI(base_url=f"{c.base_url}/v1", api_key="none", http_client=c, max_retries=0)
+        r = oai.responses.create(model="default", input="Weather in Paris?", tools=TOOLS, temperature=0)
+        [call] = [o for o in r.output if o.type == "function_call"]
+        assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+        with oai.responses.stream(model="default", input="Weather in Paris?", tools=TOOLS, temperature=0) as s:
+            args = "".join(e.delta for e in s if e.type == "response.function_call_arguments.delta")
+            final = s.get_final_response()
+        assert args == WEATHER_ARGS and [o.type for o in final.output][-1] == "function_call"
+        engine.replies = ["It is 22 C in Paris."]
+        done = oai.responses.create(
+            model="default",
+            tools=TOOLS,
+            temperature=0,
+            input=[
+                {"role": "user", "content": "Weather in Paris?"},
+                *r.output,
+                {"type": "function_call_output", "call_id": call.call_id, "output": "22 C"},
+            ],
+        )
+        assert done.output_text == "It is 22 C in Paris."
 
 
 # ---------------------------------------------------------------- store and previous_response_id
@@ -394,6 +528,12 @@ def test_store_get_delete_and_previous_response_id() -> None:
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
         ({"input": "x", "tools": [{"type": "function"}]}, "tools[0]", "name"),
         ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice", "not supported"),
+        # the chat path's tool checks, in this API's names
+        ({"input": "x", "tools": [{**TOOLS[0], "name": "a b"}]}, "tools[0].name", "tools[0].name 'a b' is not"),
+        ({"input": "x", "tools": [{**TOOLS[0], "parameters": {"type": "string"}}]}, "tools[0].parameters", "object"),
+        ({"input": "x", "tools": [TOOLS[0], TOOLS[0]]}, "tools[1].name", "two tools"),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "g"}}, "tool_choice", "'g'"),
         ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "not supported"),
         ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "not supported"),
         ({"input": "x", "truncation": "auto"}, "truncation", "never"),

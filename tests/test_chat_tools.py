@@ -15,7 +15,7 @@ from typing import Any
 import llguidance
 import msgspec
 import pytest
-from fake_engine import CharTokenizer, ScriptedEngine
+from fake_engine import ScriptedEngine
 from litestar.testing import TestClient
 from test_api_server import sse
 from tool_templates import (
@@ -26,13 +26,13 @@ from tool_templates import (
     QWEN25_TEMPLATE,
     R1_TEMPLATE,
     SMOLLM2_TEMPLATE,
+    TemplateTokenizer,
 )
 
 from wllm.entrypoints.openai.app import create_app
 from wllm.entrypoints.openai.chat_tools import plan_tools
 from wllm.entrypoints.openai.config import ServerConfig
 from wllm.entrypoints.openai.protocol import ChatCompletionRequest
-from wllm.model.tokenizer.chat_template import render_chat_template
 
 CHAT = "/v1/chat/completions"
 WEATHER = {
@@ -49,34 +49,6 @@ WEATHER = {
 }
 TIME = {"type": "function", "function": {"name": "get_time"}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-class TemplateTokenizer(CharTokenizer):
-    """The character tokenizer with a real chat template (one token per character, no special tokens)."""
-
-    def __init__(self, template: str) -> None:
-        self.template = template
-
-    def select_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
-        return chat_template or self.template
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-        **kwargs: Any,
-    ) -> str:
-        kwargs.pop("chat_template", None)
-        return render_chat_template(
-            self.template,
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token="<s>",
-            eos_token="</s>",
-            **kwargs,
-        )
 
 
 def make(template: str, reply: str = "Hello!", **config: Any) -> tuple[TestClient, ScriptedEngine]:

@@ -3,13 +3,19 @@
 Llama 3.1 and Qwen2.5 are the ones tests/test_chat_template.py carries; the Mistral and Qwen3 ones here are
 cut down to what tools and reasoning need, keeping each family's markers and rules: Mistral's
 [AVAILABLE_TOOLS] / [TOOL_CALLS] / [TOOL_RESULTS] and its 9-character call ids, Qwen3's <tool_call> blocks
-and <think> handling (enable_thinking=False writes an empty block into the prompt).
+and <think> handling (enable_thinking=False writes an empty block into the prompt). `TemplateTokenizer` is the
+scripted engine's character tokenizer rendering one of them.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from fake_engine import CharTokenizer
 from test_api_hostile import SMOLLM2_TEMPLATE
 from test_chat_template import LLAMA3_TEMPLATE, QWEN25_TEMPLATE
+
+from wllm.model.tokenizer.chat_template import render_chat_template
 
 MISTRAL_TEMPLATE = r"""{{- bos_token }}
 {%- set user_messages = messages | selectattr('role', 'equalto', 'user') | list %}
@@ -99,6 +105,35 @@ R1_TEMPLATE = r"""{{- bos_token }}
 {%- if add_generation_prompt %}{{- '<|Assistant|><think>\n' }}{%- endif %}
 """
 
+
+class TemplateTokenizer(CharTokenizer):
+    """The character tokenizer with a real chat template (one token per character, no special tokens)."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+
+    def select_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
+        return chat_template or self.template
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        kwargs.pop("chat_template", None)
+        return render_chat_template(
+            self.template,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token="<s>",
+            eos_token="</s>",
+            **kwargs,
+        )
+
+
 __all__ = [
     "LLAMA3_TEMPLATE",
     "MISTRAL_TEMPLATE",
@@ -107,4 +142,5 @@ __all__ = [
     "QWEN3_TEMPLATE",
     "R1_TEMPLATE",
     "SMOLLM2_TEMPLATE",
+    "TemplateTokenizer",
 ]

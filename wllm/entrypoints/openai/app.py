@@ -159,7 +159,7 @@ async def messages(request: Request[Any, Any, Any], data: JSONBody[MessagesReque
 @post("/v1/messages/count_tokens", status_code=200, summary="Count a message request's input tokens",
       exception_handlers=ANTHROPIC_HANDLERS)
 async def messages_count_tokens(request: Request[Any, Any, Any], data: JSONBody[CountTokensRequest]) -> TokenCount:
-    return await _ctx(request).prep.run(_record(request).body_bytes, count_tokens, _ctx(request), data)
+    return await count_tokens(_ctx(request), data, _record(request).body_bytes)
 
 
 @post("/v1/embeddings", status_code=200, summary="Create embeddings")

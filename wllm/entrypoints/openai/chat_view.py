@@ -87,9 +87,10 @@ def view(obj: Any) -> ViewChat:
 _PARAM_ONLY = frozenset({"messages", "stop"})
 
 
-def renamed(exc: APIError, names: dict[str, str]) -> APIError:
+def renamed(exc: APIError, names: dict[str, str], paths: tuple[tuple[str, str], ...] = ()) -> APIError:
     """A chat-path error restated with this API's field names (`response_format` is `text.format` to a
-    Responses client): `param` is renamed, and so is the field where the message names it."""
+    Responses client): `param` is renamed, and so is the field where the message names it. `paths`: regex
+    substitutions for nested names (`tools[0].function.name` is `tools[0].name`), applied to both."""
     param = exc.param
     if param is not None:
         head, sep, tail = param.partition("[")
@@ -99,6 +100,9 @@ def renamed(exc: APIError, names: dict[str, str]) -> APIError:
     for old, new in names.items():
         if old not in _PARAM_ONLY:
             message = re.sub(rf"\b{re.escape(old)}\b", new, message)
+    for pattern, repl in paths:
+        message = re.sub(pattern, repl, message)
+        param = None if param is None else re.sub(pattern, repl, param)
     return APIError(exc.status_code, message, type=exc.type, param=param, code=exc.code, headers=exc.headers)
 
 
@@ -111,8 +115,3 @@ def convert_at(raw: Any, type_: type[T], where: str) -> T:
         text = text.replace("`$", f"`$.{where}") if " - at `$" in text else f"{text} - at `$.{where}`"
         raise validation_error(msgspec.ValidationError(text)) from None
 
-
-def typed_chat_request(req: Any) -> Any:
-    """A ChatCompletionRequest built from translated parts (tools, tool_choice and history tool calls as plain
-    dicts) decoded again, strictly, into the typed structs the chat path reads; a mismatch is a 400."""
-    return convert_at(msgspec.to_builtins(req), type(req), "request")

@@ -24,6 +24,8 @@ class CacheControl(_Strict, kw_only=True):
 
 class TextBlock(_Strict, kw_only=True, tag="text", tag_field="type"):
     text: str
+    # Null only: what this server's text blocks carry, sent back when a client returns the assistant turn.
+    citations: None = None
     # Accepted, no effect: the prefix cache reuses every shared prefix without being asked.
     cache_control: CacheControl | None = None
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from litestar import Request, Response
@@ -26,11 +26,20 @@ from wllm.entrypoints.openai.chat_view import (
     ViewUsage,
     convert_at,
     renamed,
-    typed_chat_request,
     view,
 )
 from wllm.entrypoints.openai.errors import EXCEPTION_HANDLERS, APIError, ErrorResponse, bad_request
-from wllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
+from wllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCallParam,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    StreamOptions,
+    ToolCallParam,
+    ToolDefinition,
+)
 from wllm.entrypoints.openai.protocol import ContentPart as ChatContentPart
 from wllm.entrypoints.openai.protocol_anthropic import (
     ContentBlockDelta,
@@ -65,11 +74,17 @@ from wllm.entrypoints.openai.protocol_anthropic import (
     ToolUseBlock,
     Usage,
 )
-from wllm.entrypoints.openai.serving_chat import ChatStart, chat_prompt_ids
+from wllm.entrypoints.openai.serving_chat import ChatStart, prepare_chat
 from wllm.entrypoints.openai.serving_common import RequestRecord, ServerContext
 from wllm.entrypoints.openai.sse import SSE_HEADERS, sse_typed_event
 
 FIELD_NAMES = {"stop": "stop_sequences", "response_format": "output_config.format"}
+# Anthropic's custom tools are flat and call their parameters `input_schema`; its `any` is chat's `required`.
+FIELD_PATHS = (
+    (r"\btools\[(\d+)\]\.function\.parameters\b", r"tools[\1].input_schema"),
+    (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."),
+    (r"\btool_choice 'required'", "tool_choice 'any'"),
+)
 
 # ---------------------------------------------------------------- errors
 
@@ -182,19 +197,14 @@ def to_chat_messages(system: str | list[TextBlock] | None, messages: list[InputM
         blocks = [TextBlock(text=msg.content)] if isinstance(msg.content, str) else msg.content
         if msg.role == "assistant":
             texts: list[str] = []
-            calls: list[dict[str, Any]] = []
+            calls: list[ToolCallParam] = []
             thinking: list[str] = []
             for j, block in enumerate(blocks):
                 if isinstance(block, TextBlock):
                     texts.append(block.text)
                 elif isinstance(block, ToolUseBlock):
-                    calls.append(
-                        {
-                            "id": block.id,
-                            "type": "function",
-                            "function": {"name": block.name, "arguments": _arguments(block.input)},
-                        }
-                    )
+                    function = FunctionCallParam(name=block.name, arguments=_arguments(block.input))
+                    calls.append(ToolCallParam(id=block.id, function=function))
                 elif isinstance(block, ThinkingBlock):
                     thinking.append(block.thinking)
                 else:
@@ -239,7 +249,7 @@ def to_chat_messages(system: str | list[TextBlock] | None, messages: list[InputM
     return out
 
 
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[ToolDefinition] | None:
     if tools is None:
         return None
     out = []
@@ -252,10 +262,8 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
                 param=f"tools[{i}].type",
             )
         tool = convert_at(raw, CustomTool, f"tools[{i}]")
-        function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
-        if tool.description is not None:
-            function["description"] = tool.description
-        out.append({"type": "function", "function": function})
+        function = FunctionDefinition(name=tool.name, description=tool.description, parameters=tool.input_schema)
+        out.append(ToolDefinition(type="function", function=function))
     return out
 
 
@@ -279,13 +287,31 @@ def _check(req: CountTokensRequest | MessagesRequest) -> None:
         )
 
 
-def _chat_tool_choice(req: CountTokensRequest | MessagesRequest) -> str | dict[str, Any] | None:
+ToolMode = Literal["auto", "required", "none"]
+_MODES: dict[str, ToolMode] = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def _chat_tool_choice(req: CountTokensRequest | MessagesRequest) -> ToolMode | NamedToolChoice | None:
     choice = req.tool_choice
     if choice is None:
         return None
     if choice.type == "tool":
-        return {"type": "function", "function": {"name": choice.name}}
-    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice.name or ""))  # _check: named
+    return _MODES[choice.type]
+
+
+def _prompt_request(req: CountTokensRequest | MessagesRequest) -> ChatCompletionRequest:
+    """The conversation and its tools as a chat request: all that its prompt (and tool plan) depends on."""
+    choice = req.tool_choice
+    return ChatCompletionRequest(
+        model=req.model,
+        messages=to_chat_messages(req.system, req.messages),
+        tools=_chat_tools(req.tools),
+        tool_choice=_chat_tool_choice(req),
+        parallel_tool_calls=None
+        if choice is None or choice.disable_parallel_tool_use is None
+        else not choice.disable_parallel_tool_use,
+    )
 
 
 def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
@@ -293,28 +319,21 @@ def to_chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     _check(req)
     if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
         raise bad_request(f"temperature must be in [0, 1], got {req.temperature}", param="temperature")
-    choice = req.tool_choice
     fmt = req.output_config.format if req.output_config is not None else None
-    return typed_chat_request(ChatCompletionRequest(
-        model=req.model,
-        messages=to_chat_messages(req.system, req.messages),
+    return msgspec.structs.replace(
+        _prompt_request(req),
         max_tokens=req.max_tokens,
         stop=req.stop_sequences,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=req.top_k,
-        tools=_chat_tools(req.tools),
-        tool_choice=_chat_tool_choice(req),  # type: ignore[arg-type]
-        parallel_tool_calls=None
-        if choice is None or choice.disable_parallel_tool_use is None
-        else not choice.disable_parallel_tool_use,
         response_format=None
         if fmt is None
         else {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema}},
         user=req.metadata.user_id if req.metadata is not None else None,
         stream=req.stream,
         stream_options=StreamOptions(include_usage=True) if req.stream else None,
-    ))
+    )
 
 
 # ---------------------------------------------------------------- chat -> message
@@ -369,7 +388,8 @@ class MessageBuilder:
             self._pinged = True
         return events
 
-    def _close(self) -> list[MessageEvent]:
+    def _close(self, truncated: bool = False) -> list[MessageEvent]:
+        """Close the open block; `truncated`: the reply ended at max_tokens (only the last block can be cut)."""
         cur, self.open = self.open, None
         if cur is None:
             return []
@@ -380,7 +400,7 @@ class MessageBuilder:
         elif isinstance(block, OutThinkingBlock):
             block.thinking = text
         else:
-            block.input = parse_arguments(text)
+            block.input = parse_arguments(text, truncated)
         return [ContentBlockStop(index=cur.index)]
 
     def feed(self, delta: ViewMessage, whole: bool = False) -> list[MessageEvent]:
@@ -418,7 +438,7 @@ class MessageBuilder:
         events: list[MessageEvent] = []
         if not self.message.content:  # nothing generated: one empty text block
             events += self._open_block(OutTextBlock(text=""))
-        events += self._close()
+        events += self._close(truncated=finish_reason == "length")
         used_tools = any(isinstance(b, OutToolUseBlock) for b in self.message.content)
         reason, sequence = stop_reason(finish_reason, matched, self.stop_sequences, used_tools)
         m = self.message
@@ -427,14 +447,17 @@ class MessageBuilder:
         return events
 
 
-def parse_arguments(text: str) -> dict[str, Any]:
-    """A tool call's JSON arguments as a tool_use block's input (an object)."""
+def parse_arguments(text: str, truncated: bool = False) -> dict[str, Any]:
+    """A tool call's JSON arguments as a tool_use block's input (an object). A call cut short by max_tokens
+    has no whole object: its input is `{}`, and stop_reason `max_tokens` says why."""
     if not text.strip():
         return {}
     try:
         value = json.loads(text)
     except ValueError:
         value = None
+    if not isinstance(value, dict) and truncated:
+        return {}
     if not isinstance(value, dict):
         raise APIError(
             500, f"The model's tool call arguments are not a JSON object: {text[:200]!r}", type="internal_error"
@@ -466,7 +489,7 @@ async def create_message(
         start = await ChatStart.begin(ctx, chat_req, request, record, request_id=f"msg_{uuid.uuid4().hex}",
                                       endpoint="/v1/messages")
     except APIError as exc:
-        raise renamed(exc, FIELD_NAMES) from None
+        raise renamed(exc, FIELD_NAMES, FIELD_PATHS) from None
     stops = list(req.stop_sequences or [])
     builder = MessageBuilder(
         MessageObject(id=start.request_id, content=[], model=start.model, usage=usage_of(len(start.prompt_ids), 0, 0)),
@@ -509,9 +532,13 @@ async def create_message(
     )
 
 
-def count_tokens(ctx: ServerContext, req: CountTokensRequest) -> TokenCount:
-    """The prompt's tokens as /v1/messages would count them (chat template, tools and all)."""
+async def count_tokens(ctx: ServerContext, req: CountTokensRequest, body_bytes: int = 0) -> TokenCount:
+    """The prompt's tokens as /v1/messages would count them: the same tool plan (the generic format's tool
+    system message included), template and tokenizer."""
     ctx = ctx.route(req.model, "/v1/messages/count_tokens", ("generate",))
     _check(req)
-    messages = to_chat_messages(req.system, req.messages)
-    return TokenCount(input_tokens=len(chat_prompt_ids(ctx, messages, _chat_tools(req.tools), True, None)))
+    try:
+        prompt_ids, _ = await prepare_chat(ctx, _prompt_request(req), body_bytes)
+    except APIError as exc:
+        raise renamed(exc, FIELD_NAMES, FIELD_PATHS) from None
+    return TokenCount(input_tokens=len(prompt_ids))

@@ -5,8 +5,8 @@ message, input items chat messages (function calls an assistant turn's `tool_cal
 `tool` messages, reasoning items the next assistant turn's `reasoning_content`), `text.format`
 `response_format`, function tools and `tool_choice` their chat shapes. `ChatStart` runs it, and
 `ResponseBuilder` turns the chat completion, or the chat chunks as they come, into output items and
-the typed event sequence. Whatever the chat path refuses (today: named or required tool choice,
-JSON output) is refused here with the same 400, under this API's field names.
+the typed event sequence; the chat path's tool parser makes the `function_call` items. Whatever the chat
+path refuses (today: JSON output) is refused here with the same 400, under this API's field names.
 
 Responses with `store` (OpenAI's default) are kept in a bounded in-memory `ResponseStore`, per API
 key, for GET /v1/responses/{id} and `previous_response_id`.
@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from litestar import Request, Response
@@ -31,11 +31,20 @@ from wllm.entrypoints.openai.chat_view import (
     ViewUsage,
     convert_at,
     renamed,
-    typed_chat_request,
     view,
 )
 from wllm.entrypoints.openai.errors import APIError, bad_request
-from wllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
+from wllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionCallParam,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    StreamOptions,
+    ToolCallParam,
+    ToolDefinition,
+)
 from wllm.entrypoints.openai.protocol import ContentPart as ChatContentPart
 from wllm.entrypoints.openai.protocol_responses import (
     INPUT_ITEM_TYPES,
@@ -82,6 +91,8 @@ from wllm.entrypoints.openai.sse import SSE_HEADERS, sse_typed_event
 
 # Chat-path field names as a Responses client knows them, for the chat path's errors.
 FIELD_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}
+# A Responses function tool is flat: `tools[0].name`, not the chat shape's `tools[0].function.name`.
+FIELD_PATHS = ((r"\btools\[(\d+)\]\.function\.", r"tools[\1]."),)
 TEXT_PARTS = {"input_text", "output_text", "text"}
 
 
@@ -224,11 +235,7 @@ def to_chat_messages(items: list[InputItem], first: int = 0) -> list[ChatMessage
                 out.append(ChatMessage(role=item.role, content=content))
         elif isinstance(item, FunctionCallItem):
             msg = assistant()
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
+            call = ToolCallParam(id=item.call_id, function=FunctionCallParam(name=item.name, arguments=item.arguments))
             msg.tool_calls = [*(msg.tool_calls or []), call]
         elif isinstance(item, FunctionCallOutputItem):
             output = (
@@ -251,7 +258,7 @@ def to_chat_messages(items: list[InputItem], first: int = 0) -> list[ChatMessage
     return out
 
 
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[ToolDefinition] | None:
     if tools is None:
         return None
     out = []
@@ -263,22 +270,27 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
                 param=f"tools[{i}].type",
             )
         tool = convert_at(raw, FunctionTool, f"tools[{i}]")
-        function: dict[str, Any] = {"name": tool.name}
-        for field in ("description", "parameters", "strict"):
-            if getattr(tool, field) is not None:
-                function[field] = getattr(tool, field)
-        out.append({"type": "function", "function": function})
+        function = FunctionDefinition(
+            name=tool.name, description=tool.description, parameters=tool.parameters, strict=tool.strict
+        )
+        out.append(ToolDefinition(type="function", function=function))
     return out
 
 
-def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    if choice is None or choice in ("auto", "none", "required"):
-        return choice
+ToolMode = Literal["none", "auto", "required"]
+_MODES: dict[str, ToolMode] = {"none": "none", "auto": "auto", "required": "required"}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> ToolMode | NamedToolChoice | None:
+    if choice is None:
+        return None
+    if isinstance(choice, str) and choice in _MODES:
+        return _MODES[choice]
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         if set(choice) != {"type", "name"}:
             extra = sorted(set(choice) - {"type", "name"})[0]
             raise bad_request(f"unknown field `tool_choice.{extra}`", param=f"tool_choice.{extra}")
-        return {"type": "function", "function": {"name": choice["name"]}}
+        return NamedToolChoice(type="function", function=NamedFunction(name=choice["name"]))
     raise bad_request(
         f"tool_choice {choice!r} is not supported by this server: give 'auto', 'none', 'required' "
         "or {'type': 'function', 'name': ...}",
@@ -330,20 +342,20 @@ def to_chat_request(req: ResponsesRequest, items: list[InputItem], first: int = 
         messages.insert(0, ChatMessage(role="system", content=req.instructions))
     if not messages:
         raise bad_request("input must contain at least one item", param="input")
-    return typed_chat_request(ChatCompletionRequest(
+    return ChatCompletionRequest(
         model=req.model,
         messages=messages,
         max_tokens=req.max_output_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
         tools=_chat_tools(req.tools),
-        tool_choice=_chat_tool_choice(req.tool_choice),  # type: ignore[arg-type]
+        tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,
         response_format=_chat_response_format(req),
         user=req.user,
         stream=req.stream,
         stream_options=StreamOptions(include_usage=True) if req.stream else None,
-    ))
+    )
 
 
 # ---------------------------------------------------------------- chat -> response
@@ -575,7 +587,7 @@ async def create_response(
         start = await ChatStart.begin(ctx, chat_req, request, record, request_id=response_id,
                                       endpoint="/v1/responses")
     except APIError as exc:
-        raise renamed(exc, FIELD_NAMES) from None
+        raise renamed(exc, FIELD_NAMES, FIELD_PATHS) from None
     fmt = req.text.format if req.text is not None and req.text.format is not None else None
     builder = ResponseBuilder(
         ResponseObject(
