@@ -339,3 +339,22 @@ def sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Ten
         tokens[r] = torch.argmax(score)
     chosen = raw_lp.gather(1, tokens[:, None])[:, 0]
     return tokens, chosen, (raw_lp if return_logprobs else None)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, mask_index: torch.Tensor | None = None) -> None:
+    """In place on logits [S, V]: -inf for each token a row's grammar mask does not allow. Row r uses mask
+    row mask_index[r] of bitmask [G, W] (int32, bit v % 32 of word v // 32 is token v), or none when that is
+    -1; without mask_index row r uses mask row r. Tokens past 32 W are masked."""
+    num_rows, vocab = logits.shape
+    rows = torch.arange(num_rows, device=logits.device) if mask_index is None else \
+        torch.nonzero(mask_index >= 0).flatten()
+    if rows.numel() == 0:
+        return
+    slots = rows if mask_index is None else mask_index.long()[rows]
+    words = bitmask.to(logits.device)[slots]  # [R, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # [R, 32 W]
+    allowed = torch.zeros((rows.numel(), vocab), dtype=torch.bool, device=logits.device)
+    width = min(vocab, bits.shape[1])
+    allowed[:, :width] = bits[:, :width]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
