@@ -240,7 +240,9 @@ class Scheduler:
                     r, row = found
                     start += len(row.token_ids)
                     if row.num_samples:
-                        if seq.seq_id in ended:
+                        if seq.seq_id in ended or seq.matcher is not None:
+                            # A grammar row's next mask needs the token in flight on the host: it sits this
+                            # step out and runs in the next one, planned with its token (the others go ahead).
                             i += 1
                             continue
                         total += 1
@@ -475,6 +477,13 @@ class Scheduler:
         return changed
 
     def _append(self, seq: Sequence, tok: SampledToken) -> None:
+        matcher = seq.matcher
+        if matcher is not None and not matcher.consume_token(tok.token_id):
+            # The mask allowed only tokens the grammar accepts: this is a bug, not the request's fault.
+            seq.group.error = f"the sampled token {tok.token_id} broke the grammar: {matcher.get_error()}"
+            seq.append_token(tok.token_id)
+            self.finish_seq(seq, "error")
+            return
         seq.append_token(tok.token_id)
         seq.cumulative_logprob += tok.logprob
         if seq.logprobs is not None and tok.logprobs is not None:
@@ -489,6 +498,8 @@ class Scheduler:
         children = []
         for tok in tokens:
             child = Sequence(group, len(group.seqs))
+            if parent.matcher is not None:  # the parent's has consumed nothing yet: each child starts fresh
+                child.matcher = parent.matcher.deep_copy()
             group.seqs.append(child)
             group.num_pending_forks -= 1
             self.seqs[child.seq_id] = child
