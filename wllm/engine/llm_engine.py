@@ -46,9 +46,9 @@ import sys
 import time
 import weakref
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
-from collections.abc import Sequence as Seq
 from operator import index
 from typing import TYPE_CHECKING, Any
 

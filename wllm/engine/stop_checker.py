@@ -93,7 +93,8 @@ class StopChecker:
     """The one place that decides whether a sequence stops after its newest token, and why.
 
     In order: EOS ("stop", unless `ignore_eos` or fewer than `min_tokens` outputs), a stop token id
-    ("stop", the id), a grammar that is complete and allows no more tokens ("stop"), the length limit ("length": `max_tokens` outputs or `max_model_len` tokens). Then,
+    ("stop", the id), a grammar that is complete and allows no more tokens ("stop"), the length limit
+    ("length": `max_tokens` outputs or `max_model_len` tokens). Then,
     with a tokenizer, the token's text is decoded and a stop string that now matches wins over any of
     those ("stop", the string: the text is cut at it). EOS and stop token ids add no text.
     """

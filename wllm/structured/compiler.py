@@ -60,9 +60,17 @@ class GrammarCompiler:
     the deadline. Failures raise `GrammarError` with llguidance's reason.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, eos_token_ids: Iterable[int] = (), *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
-                 cache_size: int = DEFAULT_CACHE_SIZE, workers: int = 2) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        eos_token_ids: Iterable[int] = (),
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        workers: int = 2,
+    ) -> None:
         self._tokenizer_source = (tokenizer, vocab_size, list(eos_token_ids))
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self.timeout_s = timeout_s
@@ -96,8 +104,11 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         if len(grammar.encode()) > self.max_grammar_bytes:
-            future.set_exception(GrammarError(
-                f"the grammar is {len(grammar.encode())} bytes, over this server's limit of {self.max_grammar_bytes}"))
+            future.set_exception(
+                GrammarError(
+                    f"the grammar is {len(grammar.encode())} bytes, over this server's limit of {self.max_grammar_bytes}"
+                )
+            )
             return future
         self._pool.submit(self._run, grammar, future)
         return future
@@ -117,8 +128,10 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(matcher.get_error().strip())
         if seconds > self.timeout_s:
-            raise GrammarError(f"the grammar took {seconds:.1f} s to compile, over this server's limit of "
-                               f"{self.timeout_s:g} s; simplify it")
+            raise GrammarError(
+                f"the grammar took {seconds:.1f} s to compile, over this server's limit of "
+                f"{self.timeout_s:g} s; simplify it"
+            )
         return CompiledGrammar(grammar, matcher, seconds)
 
     def compile(self, grammar: str) -> CompiledGrammar:
@@ -139,8 +152,9 @@ class GrammarCompiler:
             raise self._timeout_error() from None
 
     def _timeout_error(self) -> GrammarError:
-        return GrammarError(f"the grammar did not compile within this server's limit of {self.timeout_s:g} s; "
-                            "simplify it")
+        return GrammarError(
+            f"the grammar did not compile within this server's limit of {self.timeout_s:g} s; simplify it"
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

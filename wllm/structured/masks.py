@@ -61,8 +61,9 @@ class MaskFiller:
         return masks
 
     def _fill(self, matchers: list[llguidance.LLMatcher], masks: torch.Tensor) -> None:
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], masks.data_ptr(),
-                                               self.words * 4, len(matchers))
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], masks.data_ptr(), self.words * 4, len(matchers)
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
