@@ -174,8 +174,13 @@ class LLMEngine:
         self._compiling: dict[str, tuple[RequestGroup, Future[CompiledGrammar]]] = {}
         self._rejected: list[tuple[str, BaseException]] = []
         self._grammar_compiler: GrammarCompiler | None = None
+        if tokenizer is not None:
+            from wllm.structured.compiler import GrammarCompiler
+
+            # A backstop deadline: the server compiles every grammar under its own (shorter) one first.
+            vocab = getattr(model_config, "vocab_size", None)
+            self._grammar_compiler = GrammarCompiler(tokenizer, vocab, self.eos_token_ids, timeout_s=60.0)
         self._mask_filler: MaskFiller | None = None
-        self.grammar_timeout_s: float | None = None  # None: the compiler's default
         self.closed = False
         _open_engines.add(self)
         freeze_startup_objects()
@@ -268,14 +273,9 @@ class LLMEngine:
     def grammar_compiler(self) -> GrammarCompiler:
         """The engine's grammar compiler and cache (made on first use: it needs the tokenizer)."""
         if self._grammar_compiler is None:
-            from wllm.structured.compiler import DEFAULT_TIMEOUT_S, GrammarCompiler
             from wllm.structured.grammars import GrammarError
 
-            if self.tokenizer is None:
-                raise GrammarError("structured output needs a tokenizer; this engine has none")
-            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids,
-                                                     timeout_s=self.grammar_timeout_s or DEFAULT_TIMEOUT_S)
+            raise GrammarError("structured output needs a tokenizer; this engine has none")
         return self._grammar_compiler
 
     def _attach_grammar(self, group: RequestGroup, compiled: CompiledGrammar) -> None:

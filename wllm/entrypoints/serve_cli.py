@@ -122,6 +122,8 @@ def register(subparsers: Any) -> None:
                      help="GET /metrics needs an API key too (when keys are set). Default: off, open to scrapers")
     sec.add_argument("--max-body-size", type=float, default=16.0, help="largest request body, in MiB")
     sec.add_argument("--max-n", type=_positive_int, default=16, help="largest `n` a request may ask for")
+    sec.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="deadline for compiling a request's structured-output grammar (past it: a 400)")
 
     obs = p.add_argument_group("observability")
     obs.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -288,7 +290,8 @@ def run_serve(args: argparse.Namespace) -> int:
             chat_template=_chat_template(args.chat_template),
             api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
             cors_origins=args.cors_origin, metrics_auth=args.metrics_auth,
-            max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n)
+            max_body_bytes=max(1, int(args.max_body_size * MiB)), max_n=args.max_n,
+            grammar_timeout_s=args.grammar_timeout)
         server_config.validate()
     except (APIKeyError, TracingSetupError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -103,12 +103,10 @@ class GrammarCompiler:
             self._cache[grammar] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        if len(grammar.encode()) > self.max_grammar_bytes:
-            future.set_exception(
-                GrammarError(
-                    f"the grammar is {len(grammar.encode())} bytes, over this server's limit of {self.max_grammar_bytes}"
-                )
-            )
+        size = len(grammar.encode())
+        if size > self.max_grammar_bytes:
+            message = f"the grammar is {size} bytes, over this server's limit of {self.max_grammar_bytes}"
+            future.set_exception(GrammarError(message))
             return future
         self._pool.submit(self._run, grammar, future)
         return future
@@ -147,7 +145,8 @@ class GrammarCompiler:
         if future.done():
             return future.result()
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            # shield: a timeout must not cancel the shared (cached) future, which finishes with the compile.
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
         except (TimeoutError, asyncio.TimeoutError):  # distinct classes before Python 3.11
             raise self._timeout_error() from None
 

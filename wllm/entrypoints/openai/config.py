@@ -29,6 +29,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_stop_chars: int = 1024
     max_logit_bias: int = 1024
     max_logprobs: int = 20
+    grammar_timeout_s: float = 10.0  # deadline for compiling a request's grammar (structured output)
     retry_after_s: int = 1  # Retry-After sent with 503 when the queue is full or the engine is down
 
     def __repr__(self) -> str:
@@ -43,6 +44,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         for name in ("max_body_bytes", "max_n", "max_stop", "max_stop_chars", "max_logit_bias", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.grammar_timeout_s > 0:
+            raise ValueError(f"grammar_timeout_s must be positive, got {self.grammar_timeout_s}")
         for name in ("rate_limit_rpm", "rate_limit_tpm"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -33,6 +33,7 @@ from wllm.entrypoints.openai.serving_common import (
     clean_logprob,
     new_id,
     reject_unsupported,
+    request_grammar,
     resolve_max_tokens,
     unless_disconnected,
     usage_from,
@@ -121,16 +122,15 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         what = "'required'" if req.tool_choice == "required" else "a named tool"
         raise bad_request(f"tool_choice {what} is not supported yet: this server does not parse tool calls "
                           "out of the reply (tool_choice 'auto' and 'none' are)", param="tool_choice")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported by this "
-                          "server; only 'text' is", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     top_n = req.top_logprobs or 0
     prompt_ids = chat_prompt_ids(ctx, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(len(prompt_ids), requested, ctx.engine.max_model_len, "messages")
-    params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None)
+    grammar = await request_grammar(ctx, req)
+    params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n if req.logprobs else None,
+                                   grammar=grammar)
     request_id = new_id("chatcmpl")
     record.request_id = request_id
     run = EngineRun(ctx, record, prompt_ids, params, request_id, priority=req.priority, cache_salt=req.cache_salt)
