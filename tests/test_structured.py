@@ -179,3 +179,183 @@ def test_ll_tokenizer_round_trips_the_gguf_vocabulary(compiler: GrammarCompiler,
     assert compiler.ll_tokenizer.decode_str(ids) == text
     assert isinstance(compiler.ll_tokenizer, llguidance.LLTokenizer)
     jsonschema.validate({"a": 1}, {"type": "object"})  # the oracle the server tests use is importable
+
+
+# ------------------------------------------------------------------ the engine on a tiny random model
+# A random model's logits go anywhere: whatever it emits under a grammar comes from the mask alone.
+
+NUMBER_SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "bb"]}, "v": {"type": "integer", "minimum": 0,
+                                                                                    "maximum": 99}},
+                 "required": ["k", "v"], "additionalProperties": False}
+
+
+def _tiny_engine(tmp_path_factory, runner: str, async_on: bool):
+    from model_utils import VOCAB
+    from test_engine import tiny
+
+    from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from wllm.engine.cuda_runner import CudaStepRunner
+    from wllm.engine.llm_engine import LLMEngine
+    from wllm.model.tokenizer.synthetic import synthetic_tokenizer
+
+    model = tiny("llama", tmp_path_factory)[0]
+    tok = synthetic_tokenizer(VOCAB)
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=256, enable_prefix_caching=True),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8),
+                          async_scheduling=async_on)
+    engine = LLMEngine(model, tok, config)
+    if runner == "kernel-path":  # the CUDA runner's code on the CPU (kernel references), eager
+        engine.worker.runner = CudaStepRunner(model, engine.worker.kv_cache, max_num_batched_tokens=24,
+                                              max_num_seqs=8, max_model_len=engine.max_model_len, enforce_eager=True)
+    return engine
+
+
+def _workload() -> list[SamplingParams]:
+    regex = g.regex_grammar("[a-z]{2,6}")
+    return [
+        SamplingParams(temperature=0.0, max_tokens=30, grammar=g.json_schema_grammar(NUMBER_SCHEMA)),
+        SamplingParams(temperature=0.0, max_tokens=10),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=12, n=2, grammar=regex),
+        SamplingParams(temperature=0.9, seed=6, max_tokens=9),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=10, grammar=g.choice_grammar(["alpha", "beta", "al"])),
+        SamplingParams(temperature=0.0, max_tokens=16, grammar=g.gbnf_grammar('root ::= "<" [0-9] [0-9]? ">"')),
+    ]
+
+
+def _check_outputs(outs) -> None:
+    for out, params in zip(outs, _workload()):
+        for c in out.outputs:
+            if params.grammar is None:
+                continue
+            assert c.finish_reason == "stop", (c.text, c.finish_reason)
+            text = c.text
+            if params.n == 2:
+                assert re.fullmatch("[a-z]{2,6}", text), text
+            elif params.max_tokens == 30:
+                jsonschema.validate(json.loads(text), NUMBER_SCHEMA)
+            elif params.seed == 7:
+                assert text in ("alpha", "beta", "al")
+            else:
+                assert re.fullmatch("<[0-9]{1,2}>", text), text
+
+
+def _run(engine, prompts, params):
+    """Staggered arrivals: one request joins every other step, so prompts, decodes and grammar rows mix."""
+    pending = list(zip(range(len(prompts)), prompts, params))
+    final = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 2 == 0:
+            i, prompt, p = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, p)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        step += 1
+    return [final[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["torch", "kernel-path"])
+def test_engine_outputs_follow_their_grammars_alone_batched_and_ahead(tmp_path_factory, runner: str) -> None:
+    prompts = [[5 + i, 40, 41 + i, 42] * (1 + i) for i in range(len(_workload()))]
+    runs = {}
+    for async_on in (False, True):
+        engine = _tiny_engine(tmp_path_factory, runner, async_on)
+        outs = _run(engine, prompts, _workload())
+        _check_outputs(outs)
+        runs[async_on] = ([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs],
+                          engine.num_lookahead_steps)
+        # Alone, each request gets the same tokens as in the batch (greedy and seeded alike).
+        if not async_on:
+            solo = _tiny_engine(tmp_path_factory, runner, False)
+            for i in (0, 2):
+                alone = solo.generate([prompts[i]], _workload()[i])[0]
+                assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in outs[i].outputs]
+        engine.close()
+    assert runs[True][0] == runs[False][0]
+    if runner == "kernel-path":
+        assert runs[True][1] > 0  # the unconstrained rows still ran ahead
+
+
+@pytest.mark.slow
+def test_engine_compiles_off_its_loop_and_refuses_bad_grammars_later(tmp_path_factory) -> None:
+    engine = _tiny_engine(tmp_path_factory, "torch", False)
+    fresh = g.regex_grammar("x[0-9]{3}y")  # not in the cache: compiled in the pool while the engine goes on
+    engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20, grammar=fresh))
+    rejected = []
+    try:
+        engine.add_request("bad", [5, 6], SamplingParams(grammar=g.regex_grammar("x(")))
+    except ValueError as exc:  # the compile was already done: refused at once
+        rejected.append(("bad", exc))
+    engine.add_request("aborted", [5, 6], SamplingParams(grammar=g.regex_grammar("z{1,3}")))
+    engine.abort("aborted")
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        rejected += engine.take_rejected()
+    assert re.fullmatch(r"x[0-9]{3}y", final["ok"].outputs[0].text) and "aborted" not in final
+    assert [r for r, _ in rejected] == ["bad"] and "unclosed group" in str(rejected[0][1])
+    assert isinstance(rejected[0][1], ValueError)
+    with pytest.raises(GrammarError, match="unclosed group"):  # offline generate raises before queueing
+        engine.generate([[5, 6]], SamplingParams(grammar=g.regex_grammar("y(")))
+    assert not engine.has_unfinished()
+
+
+# ------------------------------------------------------------------ the CUDA kernel (-m cuda; the lead's GPU)
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "vocab", "slots", "extra_words"),
+                         [(1, 1, 1, 0), (3, 33, 2, 0), (7, 1001, 3, 1), (5, 49152, 2, 1), (17, 151_936, 5, 0)])
+def test_apply_token_bitmask_kernel_matches_reference(dtype: torch.dtype, rows: int, vocab: int, slots: int,
+                                                      extra_words: int) -> None:
+    from wllm.kernels import apply_token_bitmask
+
+    gen = torch.Generator().manual_seed(rows * vocab)
+    words = (vocab + 31) // 32 + extra_words
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (slots, words), dtype=torch.int32, generator=gen)
+    index = torch.randint(-1, slots, (rows,), dtype=torch.int32, generator=gen)
+    # Rows of a wider buffer (a row stride past the vocabulary), as logits slices are.
+    full = torch.randn(rows, vocab + 5, generator=gen).to(dtype)
+    want = full[:, :vocab].clone()
+    reference.apply_token_bitmask(want, bitmask, index)
+    dev = full.cuda()
+    got = dev[:, :vocab]
+    apply_token_bitmask(got, bitmask.cuda(), index.cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(dev[:, vocab:].cpu(), full[:, vocab:])  # nothing past the vocabulary is touched
+    # Without an index, row r uses mask r; fewer words than the vocabulary needs mask the rest.
+    short = torch.randint(-(2**31), 2**31 - 1, (rows, max(1, words // 2)), dtype=torch.int32, generator=gen)
+    want2 = full[:, :vocab].clone()
+    reference.apply_token_bitmask(want2, short)
+    got2 = full.cuda()[:, :vocab]
+    apply_token_bitmask(got2, short.cuda())
+    assert torch.equal(got2.cpu(), want2)
+
+
+@pytest.mark.cuda
+def test_grammar_rows_on_the_cuda_engine_follow_their_grammars(tmp_path_factory) -> None:
+    """The real GPU path: masks uploaded and applied by the kernel in eager grammar steps, other rows in
+    graphs and ahead; outputs as on the CPU kernel path."""
+    from model_utils import VOCAB, tiny_hf_model
+
+    from wllm.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from wllm.engine.llm_engine import LLMEngine
+    from wllm.model.loader import load_model
+    from wllm.model.tokenizer.synthetic import synthetic_tokenizer
+
+    hf = tiny_hf_model("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    path = tmp_path_factory.mktemp("llama64-grammar")
+    hf.save_pretrained(path)
+    model = load_model(path, dtype="float32", device="cuda").model
+    config = EngineConfig(cache=CacheConfig(block_size=8, num_gpu_blocks=128),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), async_scheduling=True)
+    engine = LLMEngine(model, synthetic_tokenizer(VOCAB), config)
+    assert engine.worker.use_cuda_kernels
+    prompts = [[5 + i, 40, 41 + i, 42] * (1 + i) for i in range(len(_workload()))]
+    outs = _run(engine, prompts, _workload())
+    _check_outputs(outs)
+    assert engine.num_lookahead_steps > 0
