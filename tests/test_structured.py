@@ -8,7 +8,6 @@ import json
 import re
 import time
 
-import jsonschema
 import llguidance
 import pytest
 import torch
@@ -178,7 +177,6 @@ def test_ll_tokenizer_round_trips_the_gguf_vocabulary(compiler: GrammarCompiler,
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert compiler.ll_tokenizer.decode_str(ids) == text
     assert isinstance(compiler.ll_tokenizer, llguidance.LLTokenizer)
-    jsonschema.validate({"a": 1}, {"type": "object"})  # the oracle the server tests use is importable
 
 
 # ------------------------------------------------------------------ the engine on a tiny random model
@@ -232,6 +230,8 @@ def _check_outputs(outs) -> None:
             if params.n == 2:
                 assert re.fullmatch("[a-z]{2,6}", text), text
             elif params.max_tokens == 30:
+                import jsonschema  # here: the GPU machine's image may lack it, and only this check needs it
+
                 jsonschema.validate(json.loads(text), NUMBER_SCHEMA)
             elif params.seed == 7:
                 assert text in ("alpha", "beta", "al")
