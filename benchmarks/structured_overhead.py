@@ -125,7 +125,8 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for b in args.batch:
         r = end_to_end(engine, b, args.tokens, args.repeat)
-        print(f"| {b} | {r['tokens']} | {r['plain_ms']:.2f} | {r['grammar_ms']:.2f} | {r['overhead_pct']:+.1f}% |", flush=True)
+        print(f"| {b} | {r['tokens']} | {r['plain_ms']:.2f} | {r['grammar_ms']:.2f} | {r['overhead_pct']:+.1f}% |",
+              flush=True)
     print("\nhost pieces per step, JSON-schema matchers inside a string (microseconds):")
     print("| batch | mask fill | sample masked | sample plain | matchers advance |")
     print("|---|---|---|---|---|")
