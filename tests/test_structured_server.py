@@ -211,3 +211,51 @@ def test_hostile_schemas_do_not_stall_a_concurrent_stream(server: ServerProcess,
     # Compiling ran beside the engine, not on its loop or the event loop: no gap of the stream comes near the
     # time the big schema took.
     assert max(during) < max(1.5, compile_time / 2), (compile_time, sorted(during)[-3:])
+
+
+def test_readme_json_schema_example_runs_verbatim(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "json_schema" in b)
+    code = block.replace("http://127.0.0.1:8000/v1", server.base_url).replace('api_key="unused"', f'api_key="{KEY}"')
+    assert code.count(server.base_url) == 1 and KEY in code  # only the address and the key differ
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 - the README's own example
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    jsonschema.validate(json.loads(last), namespace["schema"])
+
+
+def test_engine_process_compiles_in_the_child_and_refuses_there() -> None:
+    """With the engine in its own process the child compiles each grammar again, off its loop; a grammar
+    that reaches it without the server's check is refused there with the same ValueError (a 400)."""
+    import asyncio
+
+    from model_utils import stream_outputs
+
+    from wllm.engine.async_engine import AsyncEngine
+    from wllm.engine.engine_process import EngineProcess
+    from wllm.sampling_params import SamplingParams
+    from wllm.structured import grammars
+
+    kwargs = {"device": "cpu", "max_model_len": 256, "kv_cache_memory": 64 << 20, "max_num_batched_tokens": 256}
+    engine = AsyncEngine(EngineProcess(str(default_model_path()), kwargs))
+    engine.start()
+    try:
+        tok = engine.tokenizer
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Pick a colour."}]),
+                            add_special_tokens=False)
+
+        async def main() -> None:
+            good = SamplingParams(temperature=0, max_tokens=10, grammar=grammars.choice_grammar(["red", "blue"]))
+            outs = await stream_outputs(engine, prompt, good, "good")
+            assert outs[-1].outputs[0].text in ("red", "blue") and outs[-1].outputs[0].finish_reason == "stop"
+            with pytest.raises(ValueError, match="unclosed group"):
+                await stream_outputs(engine, prompt, SamplingParams(grammar=grammars.regex_grammar("(x")), "bad")
+            after = await stream_outputs(engine, prompt, SamplingParams(temperature=0, max_tokens=3), "after")
+            assert after[-1].finished
+
+        asyncio.run(main())
+        assert engine.is_healthy()
+    finally:
+        engine.shutdown(close_engine=True)
