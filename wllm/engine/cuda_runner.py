@@ -9,7 +9,9 @@ of up to 512 tokens (no prompt logprobs; a prompt forking n sequences takes n sa
 step runs eagerly through the same kernels. The decode graphs, and the prefill graphs of at most as
 many sequences, write their logits into one shared buffer, so the logprob matrices of requests that ask
 for logprobs are computed from it after the replay. The sampled token ids and their logprobs (plus the
-logprob matrices when a request asked for them) come back in one device-to-host sync.
+logprob matrices when a request asked for them) come back in one device-to-host sync. Steps with grammar
+rows run eagerly: their masks (filled on the host while the forward is queued) are uploaded and applied
+to a copy of the logits by the `apply_token_bitmask` kernel before the sampling kernel.
 """
 
 from __future__ import annotations
