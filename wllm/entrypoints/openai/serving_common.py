@@ -250,8 +250,6 @@ def _grammar_sources(req: Any) -> list[tuple[str, Callable[[], str | None]]]:
 async def request_grammar(ctx: ServerContext, req: Any) -> str | None:
     """The llguidance grammar a request's structured-output fields ask for (None: unconstrained), compiled
     here, off the event loop, before the engine sees it: any problem is a 400 naming the field and the reason."""
-    from wllm.structured.grammars import GrammarError
-
     sources = _grammar_sources(req)
     if not sources:
         return None
@@ -264,7 +262,7 @@ async def request_grammar(ctx: ServerContext, req: Any) -> str | None:
         grammar = build()
         if grammar is not None:
             await ctx.grammar_compiler().compile_async(grammar)
-    except GrammarError as exc:
+    except (ValueError, TypeError) as exc:  # GrammarError is a ValueError, as llguidance's own reports are
         raise bad_request(f"{name}: {exc}", param=name, code="invalid_grammar") from None
     return grammar
 
