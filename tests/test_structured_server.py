@@ -165,9 +165,9 @@ def _hostile(depth: int, keyword: str) -> dict:
 
 
 def test_hostile_schemas_do_not_stall_a_concurrent_stream(server: ServerProcess, client: openai.OpenAI) -> None:
-    # Seconds of compile work (5,000 patterned properties); compiled on the loop it would stall every stream.
+    # Seconds of compile work (8,000 patterned properties); compiled on the loop it would stall every stream.
     big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+x{i}$"}
-                                            for i in range(5000)}, "required": ["p0"]}
+                                            for i in range(8000)}, "required": ["p0"]}
     gaps: list[float] = []
     started = threading.Event()
 
@@ -195,12 +195,12 @@ def test_hostile_schemas_do_not_stall_a_concurrent_stream(server: ServerProcess,
     # The same nesting with anyOf compiles; the big schema compiles or is refused at the 5 s deadline.
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=1, messages=ASK_PERSON,
                                        response_format=schema_format(_hostile(16, "anyOf")))
-    assert r.choices[0].message.content in ("{", "[", '"')
+    assert r.choices[0].message.content.startswith(("{", "[", '"'))
     t1 = time.monotonic()
     try:
         r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=1, messages=ASK_PERSON,
                                            response_format=schema_format(big))
-        assert r.choices[0].message.content == "{"
+        assert r.choices[0].message.content.startswith("{")
     except openai.BadRequestError as exc:
         assert "limit of 5 s" in exc.body["message"]
     compile_time = time.monotonic() - t1
