@@ -42,8 +42,10 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> 
 def end_to_end(engine: LLMEngine, batch: int, tokens: int, repeat: int) -> dict[str, float]:
     """Decode time per output token (a one-token run of the same prompts is subtracted: prefill excluded)."""
     tok = engine.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{PROMPT} ({i})"}]),
-                          add_special_tokens=False) for i in range(batch)]
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{PROMPT} ({i})"}]), add_special_tokens=False)
+        for i in range(batch)
+    ]
     # Not ignore_eos: EOS ends a grammar's matcher (it allows EOS once the text is accepted), so only
     # streams that end at EOS (or the length) are alike.
     permissive = grammars.regex_grammar(r"[\s\S]*")
@@ -62,8 +64,12 @@ def end_to_end(engine: LLMEngine, batch: int, tokens: int, repeat: int) -> dict[
                 raise SystemExit("the permissive grammar changed the tokens: the comparison is not like for like")
     plain_s, grammar_s = statistics.median(times["plain"]), statistics.median(times["grammar"])
     per_token = 1e3 / max(generated, 1)
-    return {"plain_ms": plain_s * per_token, "grammar_ms": grammar_s * per_token,
-            "overhead_pct": 100.0 * (grammar_s - plain_s) / plain_s, "tokens": generated}
+    return {
+        "plain_ms": plain_s * per_token,
+        "grammar_ms": grammar_s * per_token,
+        "overhead_pct": 100.0 * (grammar_s - plain_s) / plain_s,
+        "tokens": generated,
+    }
 
 
 def host_pieces(engine: LLMEngine, batch: int, steps: int = 50) -> dict[str, float]:
@@ -106,8 +112,12 @@ def host_pieces(engine: LLMEngine, batch: int, steps: int = 50) -> dict[str, flo
         base += time.perf_counter() - t0
     filler.close()
     scale = 1e6 / steps
-    return {"fill_us": fill * scale, "sample_masked_us": apply * scale, "sample_plain_us": base * scale,
-            "advance_us": advance * scale}
+    return {
+        "fill_us": fill * scale,
+        "sample_masked_us": apply * scale,
+        "sample_plain_us": base * scale,
+        "advance_us": advance * scale,
+    }
 
 
 def main() -> None:
@@ -125,15 +135,20 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for b in args.batch:
         r = end_to_end(engine, b, args.tokens, args.repeat)
-        print(f"| {b} | {r['tokens']} | {r['plain_ms']:.2f} | {r['grammar_ms']:.2f} | {r['overhead_pct']:+.1f}% |",
-              flush=True)
+        print(
+            f"| {b} | {r['tokens']} | {r['plain_ms']:.2f} | {r['grammar_ms']:.2f} | {r['overhead_pct']:+.1f}% |",
+            flush=True,
+        )
     print("\nhost pieces per step, JSON-schema matchers inside a string (microseconds):")
     print("| batch | mask fill | sample masked | sample plain | matchers advance |")
     print("|---|---|---|---|---|")
     for b in args.batch:
         r = host_pieces(engine, b)
-        print(f"| {b} | {r['fill_us']:.0f} | {r['sample_masked_us']:.0f} | {r['sample_plain_us']:.0f} | "
-              f"{r['advance_us']:.0f} |", flush=True)
+        print(
+            f"| {b} | {r['fill_us']:.0f} | {r['sample_masked_us']:.0f} | {r['sample_plain_us']:.0f} | "
+            f"{r['advance_us']:.0f} |",
+            flush=True,
+        )
     engine.close()
 
 

@@ -59,31 +59,38 @@ def test_builders_accept_what_they_describe_and_nothing_else(compiler: GrammarCo
     assert g.response_format_grammar({"type": "text"}) is None
 
 
-@pytest.mark.parametrize(("make", "fragment"), [
-    (lambda: g.json_schema_grammar("{not json"), "not valid JSON"),
-    (lambda: g.json_schema_grammar([1, 2]), "must be an object"),
-    (lambda: g.choice_grammar([]), "non-empty list"),
-    (lambda: g.regex_grammar(""), "non-empty"),
-    (lambda: g.gbnf_grammar("root ::= ("), "GBNF"),
-    (lambda: g.response_format_grammar({"type": "json_schema", "json_schema": {"name": "x"}}), "needs a `schema`"),
-    (lambda: g.response_format_grammar({"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}), "unknown"),
-    (lambda: g.response_format_grammar({"type": "yaml"}), "not supported"),
-])
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda: g.json_schema_grammar("{not json"), "not valid JSON"),
+        (lambda: g.json_schema_grammar([1, 2]), "must be an object"),
+        (lambda: g.choice_grammar([]), "non-empty list"),
+        (lambda: g.regex_grammar(""), "non-empty"),
+        (lambda: g.gbnf_grammar("root ::= ("), "GBNF"),
+        (lambda: g.response_format_grammar({"type": "json_schema", "json_schema": {"name": "x"}}), "needs a `schema`"),
+        (lambda: g.response_format_grammar({"type": "json_schema", "json_schema": {"schema": {}, "x": 1}}), "unknown"),
+        (lambda: g.response_format_grammar({"type": "yaml"}), "not supported"),
+    ],
+)
 def test_malformed_constraints_are_refused_before_compiling(make, fragment: str) -> None:
     with pytest.raises(GrammarError, match=re.escape(fragment)):
         make()
 
 
-@pytest.mark.parametrize(("grammar", "fragment"), [
-    (g.regex_grammar("(abc"), "unclosed group"),
-    (g.json_schema_grammar({"type": "strin"}), "strin"),
-    # Overlapping oneOf branches cannot be enforced exactly: refused, not approximated by anyOf.
-    (g.json_schema_grammar({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}), "oneOf"),
-    (g.json_schema_grammar({"type": "object", "if": {}}), "if"),
-    (g.lark_grammar("start: undefined_rule"), "undefined_rule"),
-])
-def test_grammars_that_do_not_compile_are_errors_and_cached(compiler: GrammarCompiler, grammar: str,
-                                                             fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("grammar", "fragment"),
+    [
+        (g.regex_grammar("(abc"), "unclosed group"),
+        (g.json_schema_grammar({"type": "strin"}), "strin"),
+        # Overlapping oneOf branches cannot be enforced exactly: refused, not approximated by anyOf.
+        (g.json_schema_grammar({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}), "oneOf"),
+        (g.json_schema_grammar({"type": "object", "if": {}}), "if"),
+        (g.lark_grammar("start: undefined_rule"), "undefined_rule"),
+    ],
+)
+def test_grammars_that_do_not_compile_are_errors_and_cached(
+    compiler: GrammarCompiler, grammar: str, fragment: str
+) -> None:
     with pytest.raises(GrammarError, match=re.escape(fragment)):
         compiler.compile(grammar)
     before = compiler.num_compiled
@@ -132,7 +139,7 @@ def test_bitmask_reference_matches_a_loop_on_odd_sizes() -> None:
         # Fewer words than the vocabulary needs: the tokens past them are masked.
         short = logits.clone()
         reference.apply_token_bitmask(short, bitmask[:, : max(1, words // 2)], torch.zeros(rows, dtype=torch.int32))
-        assert torch.isinf(short[:, 32 * max(1, words // 2):]).all()
+        assert torch.isinf(short[:, 32 * max(1, words // 2) :]).all()
 
 
 def _row(params: SamplingParams, outputs: list[int] | None = None) -> SamplingRow:
@@ -161,8 +168,10 @@ def test_sampler_masks_after_penalties_and_leaves_allowed_argmax_alone() -> None
 def test_mask_filler_fills_batched_masks_in_a_thread(compiler: GrammarCompiler) -> None:
     tok = compiler.ll_tokenizer
     filler = MaskFiller(tok.vocab_size)
-    ms = [compiler.compile(g.choice_grammar(["hello"])).new_matcher(),
-          compiler.compile(g.regex_grammar("[0-9]+")).new_matcher()]
+    ms = [
+        compiler.compile(g.choice_grammar(["hello"])).new_matcher(),
+        compiler.compile(g.regex_grammar("[0-9]+")).new_matcher(),
+    ]
     masks = filler.start(ms).wait()
     assert masks.shape == (2, (tok.vocab_size + 31) // 32)
     for i, m in enumerate(ms):
@@ -182,9 +191,12 @@ def test_ll_tokenizer_round_trips_the_gguf_vocabulary(compiler: GrammarCompiler,
 # ------------------------------------------------------------------ the engine on a tiny random model
 # A random model's logits go anywhere: whatever it emits under a grammar comes from the mask alone.
 
-NUMBER_SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "bb"]}, "v": {"type": "integer", "minimum": 0,
-                                                                                    "maximum": 99}},
-                 "required": ["k", "v"], "additionalProperties": False}
+NUMBER_SCHEMA = {
+    "type": "object",
+    "properties": {"k": {"enum": ["a", "bb"]}, "v": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["k", "v"],
+    "additionalProperties": False,
+}
 
 
 def _tiny_engine(tmp_path_factory, runner: str, async_on: bool):
@@ -198,13 +210,21 @@ def _tiny_engine(tmp_path_factory, runner: str, async_on: bool):
 
     model = tiny("llama", tmp_path_factory)[0]
     tok = synthetic_tokenizer(VOCAB)
-    config = EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=256, enable_prefix_caching=True),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8),
-                          async_scheduling=async_on)
+    config = EngineConfig(
+        cache=CacheConfig(block_size=4, num_gpu_blocks=256, enable_prefix_caching=True),
+        scheduler=SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8),
+        async_scheduling=async_on,
+    )
     engine = LLMEngine(model, tok, config)
     if runner == "kernel-path":  # the CUDA runner's code on the CPU (kernel references), eager
-        engine.worker.runner = CudaStepRunner(model, engine.worker.kv_cache, max_num_batched_tokens=24,
-                                              max_num_seqs=8, max_model_len=engine.max_model_len, enforce_eager=True)
+        engine.worker.runner = CudaStepRunner(
+            model,
+            engine.worker.kv_cache,
+            max_num_batched_tokens=24,
+            max_num_seqs=8,
+            max_model_len=engine.max_model_len,
+            enforce_eager=True,
+        )
     return engine
 
 
@@ -264,8 +284,10 @@ def test_engine_outputs_follow_their_grammars_alone_batched_and_ahead(tmp_path_f
         engine = _tiny_engine(tmp_path_factory, runner, async_on)
         outs = _run(engine, prompts, _workload())
         _check_outputs(outs)
-        runs[async_on] = ([[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs],
-                          engine.num_lookahead_steps)
+        runs[async_on] = (
+            [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs],
+            engine.num_lookahead_steps,
+        )
         # Alone, each request gets the same tokens as in the batch (greedy and seeded alike).
         if not async_on:
             solo = _tiny_engine(tmp_path_factory, runner, False)
@@ -307,10 +329,13 @@ def test_engine_compiles_off_its_loop_and_refuses_bad_grammars_later(tmp_path_fa
 # ------------------------------------------------------------------ the CUDA kernel (-m cuda; the lead's GPU)
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "vocab", "slots", "extra_words"),
-                         [(1, 1, 1, 0), (3, 33, 2, 0), (7, 1001, 3, 1), (5, 49152, 2, 1), (17, 151_936, 5, 0)])
-def test_apply_token_bitmask_kernel_matches_reference(dtype: torch.dtype, rows: int, vocab: int, slots: int,
-                                                      extra_words: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "vocab", "slots", "extra_words"),
+    [(1, 1, 1, 0), (3, 33, 2, 0), (7, 1001, 3, 1), (5, 49152, 2, 1), (17, 151_936, 5, 0)],
+)
+def test_apply_token_bitmask_kernel_matches_reference(
+    dtype: torch.dtype, rows: int, vocab: int, slots: int, extra_words: int
+) -> None:
     from wllm.kernels import apply_token_bitmask
 
     gen = torch.Generator().manual_seed(rows * vocab)
@@ -351,8 +376,11 @@ def test_grammar_rows_on_the_cuda_engine_follow_their_grammars(tmp_path_factory)
     path = tmp_path_factory.mktemp("llama64-grammar")
     hf.save_pretrained(path)
     model = load_model(path, dtype="float32", device="cuda").model
-    config = EngineConfig(cache=CacheConfig(block_size=8, num_gpu_blocks=128),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), async_scheduling=True)
+    config = EngineConfig(
+        cache=CacheConfig(block_size=8, num_gpu_blocks=128),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8),
+        async_scheduling=True,
+    )
     engine = LLMEngine(model, synthetic_tokenizer(VOCAB), config)
     assert engine.worker.use_cuda_kernels
     prompts = [[5 + i, 40, 41 + i, 42] * (1 + i) for i in range(len(_workload()))]

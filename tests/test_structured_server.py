@@ -31,8 +31,10 @@ PERSON = {
         "role": {"enum": ["engineer", "doctor", "teacher", "artist"]},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 24},
-                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 24},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
             "additionalProperties": False,
         },
@@ -41,15 +43,18 @@ PERSON = {
     "required": ["name", "age", "height_m", "role", "address", "skills"],
     "additionalProperties": False,
 }
-ASK_PERSON = [{"role": "user",
-               "content": "Describe a fictional person as JSON: name, age, height, job, address, skills."}]
+ASK_PERSON = [
+    {"role": "user", "content": "Describe a fictional person as JSON: name, age, height, job, address, skills."}
+]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     default_model_path()
-    s = ServerProcess(["--api-key", KEY, "--max-model-len", "1024", "--kv-cache-memory", "0.25",
-                       "--grammar-timeout", "5"], tmp_path_factory.mktemp("structured") / "server.log")
+    s = ServerProcess(
+        ["--api-key", KEY, "--max-model-len", "1024", "--kv-cache-memory", "0.25", "--grammar-timeout", "5"],
+        tmp_path_factory.mktemp("structured") / "server.log",
+    )
     yield s
     s.stop()
 
@@ -64,19 +69,28 @@ def schema_format(schema: dict, name: str = "answer") -> dict:
 
 
 def test_json_schema_validates_nested_objects_arrays_enums_bounds(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK_PERSON,
-                                       temperature=0, max_tokens=200, response_format=schema_format(PERSON))
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=ASK_PERSON,
+        temperature=0,
+        max_tokens=200,
+        response_format=schema_format(PERSON),
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
 def test_streamed_equals_non_streamed_and_n2_both_valid(client: openai.OpenAI) -> None:
-    kwargs = dict(model="SmolLM2-135M-Instruct", messages=ASK_PERSON, max_tokens=200,
-                  response_format=schema_format(PERSON))
+    kwargs = dict(
+        model="SmolLM2-135M-Instruct", messages=ASK_PERSON, max_tokens=200, response_format=schema_format(PERSON)
+    )
     whole = client.chat.completions.create(temperature=0, **kwargs).choices[0].message.content
-    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(temperature=0, stream=True,
-                                                                                      **kwargs) if c.choices]
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(temperature=0, stream=True, **kwargs)
+        if c.choices
+    ]
     assert "".join(parts) == whole
     r = client.chat.completions.create(temperature=1.0, seed=3, n=2, **kwargs)
     assert len(r.choices) == 2
@@ -87,16 +101,25 @@ def test_streamed_equals_non_streamed_and_n2_both_valid(client: openai.OpenAI) -
 
 def test_json_object_parses(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=200, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": "Return a JSON object with keys city and country for Paris."}])
+        model="SmolLM2-135M-Instruct",
+        temperature=0,
+        max_tokens=200,
+        response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Return a JSON object with keys city and country for Paris."}],
+    )
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
 def test_regex_choice_lark_gbnf_on_both_routes(client: openai.OpenAI) -> None:
     def chat(extra: dict, content: str, max_tokens: int = 40) -> str:
-        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=max_tokens,
-                                           messages=[{"role": "user", "content": content}], extra_body=extra)
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            temperature=0,
+            max_tokens=max_tokens,
+            messages=[{"role": "user", "content": content}],
+            extra_body=extra,
+        )
         assert r.choices[0].finish_reason == "stop", r.choices[0]
         return r.choices[0].message.content
 
@@ -108,49 +131,75 @@ def test_regex_choice_lark_gbnf_on_both_routes(client: openai.OpenAI) -> None:
     assert chat({"guided_grammar": gbnf}, "Is water wet?") in ("yes!", "no!")
     assert chat({"structured_outputs": {"choice": ["red", "blue"]}}, "Sky colour?") in ("red", "blue")
     # Text completions take the same fields.
-    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The year the war ended was", max_tokens=10,
-                                  temperature=0, extra_body={"guided_regex": r" [12][0-9]{3}"})
+    r = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="The year the war ended was",
+        max_tokens=10,
+        temperature=0,
+        extra_body={"guided_regex": r" [12][0-9]{3}"},
+    )
     assert re.fullmatch(r" [12][0-9]{3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
-    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="A JSON list of two colours:", max_tokens=60,
-                                  temperature=0, extra_body={"guided_json": {"type": "array", "items": {
-                                      "type": "string", "maxLength": 10}, "minItems": 2, "maxItems": 2}})
+    r = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="A JSON list of two colours:",
+        max_tokens=60,
+        temperature=0,
+        extra_body={
+            "guided_json": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 2, "maxItems": 2}
+        },
+    )
     assert len(json.loads(r.choices[0].text)) == 2
 
 
 def test_mask_leaves_a_conforming_greedy_answer_unchanged(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Name one primary colour."}]
-    free = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0,
-                                          max_tokens=12, logprobs=True)
+    free = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=12, logprobs=True
+    )
     text = free.choices[0].message.content
     assert text
     for choices in ([text, "zzz other"], ["zzz other", text, text + " and more"]):
-        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0,
-                                           max_tokens=12, logprobs=True, extra_body={"guided_choice": choices})
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            temperature=0,
+            max_tokens=12,
+            logprobs=True,
+            extra_body={"guided_choice": choices},
+        )
         assert r.choices[0].message.content == text
         # Same tokens with the same (raw) logprobs: the mask changed nothing.
         got = [(t.token, round(t.logprob, 4)) for t in r.choices[0].logprobs.content]
         want = [(t.token, round(t.logprob, 4)) for t in free.choices[0].logprobs.content]
-        assert got == want[:len(got)] and "".join(t for t, _ in got) == text
+        assert got == want[: len(got)] and "".join(t for t, _ in got) == text
 
 
-@pytest.mark.parametrize(("extra", "param", "fragment"), [
-    ({"guided_regex": "(abc"}, "guided_regex", "unclosed group"),
-    ({"guided_json": {"type": "strin"}}, "guided_json", "strin"),
-    ({"guided_json": {"type": "string", "format": "no-such-format"}}, "guided_json", "no-such-format"),
-    ({"guided_json": {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 2}]}}, "guided_json", "oneOf"),
-    ({"guided_grammar": "start: missing_rule"}, "guided_grammar", "missing_rule"),
-    ({"guided_grammar": "root ::= (\"a\""}, "guided_grammar", "GBNF"),
-    ({"guided_choice": []}, "guided_choice", "non-empty"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}}, "response_format",
-     "must be an object"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", "at most one"),
-    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn", "unknown field"),
-])
-def test_bad_constraints_are_400_naming_the_problem(client: openai.OpenAI, extra: dict, param: str,
-                                                    fragment: str) -> None:
+@pytest.mark.parametrize(
+    ("extra", "param", "fragment"),
+    [
+        ({"guided_regex": "(abc"}, "guided_regex", "unclosed group"),
+        ({"guided_json": {"type": "strin"}}, "guided_json", "strin"),
+        ({"guided_json": {"type": "string", "format": "no-such-format"}}, "guided_json", "no-such-format"),
+        ({"guided_json": {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 2}]}}, "guided_json", "oneOf"),
+        ({"guided_grammar": "start: missing_rule"}, "guided_grammar", "missing_rule"),
+        ({"guided_grammar": 'root ::= ("a"'}, "guided_grammar", "GBNF"),
+        ({"guided_choice": []}, "guided_choice", "non-empty"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+            "response_format",
+            "must be an object",
+        ),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs.choice", "at most one"),
+        ({"structured_outputs": {"jsonn": {}}}, "structured_outputs.jsonn", "unknown field"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_problem(
+    client: openai.OpenAI, extra: dict, param: str, fragment: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=5,
-                                       messages=[{"role": "user", "content": "hi"}], extra_body=extra)
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=5, messages=[{"role": "user", "content": "hi"}], extra_body=extra
+        )
     err = info.value.body
     assert err["param"] == param and fragment in err["message"], err
 
@@ -159,23 +208,38 @@ def _hostile(depth: int, keyword: str) -> dict:
     defs: dict = {"l0": {"type": "string", "maxLength": 4}}
     for i in range(1, depth + 1):
         ref = {"$ref": f"#/$defs/l{i - 1}"}
-        defs[f"l{i}"] = {keyword: [ref, {"type": "object", "properties": {"x": ref, "y": ref}, "required": ["x"]},
-                                   {"type": "array", "items": ref, "maxItems": 2}]}
+        defs[f"l{i}"] = {
+            keyword: [
+                ref,
+                {"type": "object", "properties": {"x": ref, "y": ref}, "required": ["x"]},
+                {"type": "array", "items": ref, "maxItems": 2},
+            ]
+        }
     return {"$defs": defs, "$ref": f"#/$defs/l{depth}"}
 
 
 def test_hostile_schemas_do_not_stall_a_concurrent_stream(server: ServerProcess, client: openai.OpenAI) -> None:
     # Seconds of compile work (8,000 patterned properties); compiled on the loop it would stall every stream.
-    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+x{i}$"}
-                                            for i in range(8000)}, "required": ["p0"]}
+    big = {
+        "type": "object",
+        "properties": {
+            f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}[0-9]+x{i}$"} for i in range(8000)
+        },
+        "required": ["p0"],
+    }
     gaps: list[float] = []
     started = threading.Event()
 
     def stream() -> None:
         last = None
-        s = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=150, stream=True,
-                                           extra_body={"ignore_eos": True},
-                                           messages=[{"role": "user", "content": "Tell me a long story."}])
+        s = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            temperature=0,
+            max_tokens=150,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "Tell me a long story."}],
+        )
         for _ in s:
             now = time.monotonic()
             if last is not None:
@@ -189,17 +253,26 @@ def test_hostile_schemas_do_not_stall_a_concurrent_stream(server: ServerProcess,
     mark = len(gaps)
     t0 = time.monotonic()
     with pytest.raises(openai.BadRequestError) as info:  # nested oneOf, depth 16: refused at once
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=1, messages=ASK_PERSON,
-                                       response_format=schema_format(_hostile(16, "oneOf")))
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            max_tokens=1,
+            messages=ASK_PERSON,
+            response_format=schema_format(_hostile(16, "oneOf")),
+        )
     assert "oneOf" in info.value.body["message"]
     # The same nesting with anyOf compiles; the big schema compiles or is refused at the 5 s deadline.
-    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=1, messages=ASK_PERSON,
-                                       response_format=schema_format(_hostile(16, "anyOf")))
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        max_tokens=1,
+        messages=ASK_PERSON,
+        response_format=schema_format(_hostile(16, "anyOf")),
+    )
     assert r.choices[0].message.content.startswith(("{", "[", '"'))
     t1 = time.monotonic()
     try:
-        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=1, messages=ASK_PERSON,
-                                           response_format=schema_format(big))
+        r = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=1, messages=ASK_PERSON, response_format=schema_format(big)
+        )
         assert r.choices[0].message.content.startswith("{")
     except openai.BadRequestError as exc:
         assert "limit of 5 s" in exc.body["message"]
@@ -243,8 +316,9 @@ def test_engine_process_compiles_in_the_child_and_refuses_there() -> None:
     engine.start()
     try:
         tok = engine.tokenizer
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Pick a colour."}]),
-                            add_special_tokens=False)
+        prompt = tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": "Pick a colour."}]), add_special_tokens=False
+        )
 
         async def main() -> None:
             good = SamplingParams(temperature=0, max_tokens=10, grammar=grammars.choice_grammar(["red", "blue"]))
