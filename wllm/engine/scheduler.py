@@ -197,19 +197,19 @@ class Scheduler:
         next chunk of a prompt), preempting the least important when the pool runs dry, then swapped-out
         ones, then waiting ones (`_admit_waiting`).
 
-        `in_flight`: a step launched whose results are not on the host yet (async scheduling). Its tokens
-        count as computed, and each of its samples is a placeholder token: the row that decodes it is fed
-        the value on the device (`StepRow.feed`) and its sampling row counts it as an output. Sequences its
-        token ends by length are left out (their blocks freed now, as applying it would free them); those
-        it ends by value (EOS, a stop token or string) or that are aborted meanwhile are planned, and their
-        result is dropped when applied. The blocks it completes are offered to the prefix cache before
-        admission, as applying it would. Returns None when the step needs what only the host will know
-        once `in_flight` is applied (`wait_reason` says what): block copies pending or sequences swapped
-        out, a fork in flight, a sequence that would need preempting, penalties on a placeholder (their
-        counts need its value), prompt logprobs (which positions a chunk reports depends on what the step
-        in flight reported), or a waiting request that reuses the id of one in flight (an aborted request's
-        id, taken again). The engine then plans again once `in_flight` is applied. Without `in_flight` it
-        never returns None.
+        `in_flight`: a step launched whose results are not on the host yet (async scheduling). Its tokens count
+        as computed, and each of its samples is a placeholder token: the row that decodes it is fed the value on
+        the device (`StepRow.feed`) and its sampling row counts it as an output. Sequences its token ends by
+        length are left out (their blocks freed now, as applying it would free them); those it ends by value
+        (EOS, a stop token or string) or that are aborted meanwhile are planned, and their result is dropped
+        when applied. The blocks it completes are offered to the prefix cache before admission, as applying it
+        would. A sequence under a grammar whose token is in flight is left out (its next mask needs that token's
+        value): it runs in the step after. Returns None when the step needs what only the host will know once
+        `in_flight` is applied (`wait_reason` says what): block copies pending or sequences swapped out, a fork
+        in flight, a sequence that would need preempting, penalties on a placeholder (their counts need its
+        value), prompt logprobs (which positions a chunk reports depends on what the step in flight reported),
+        or a waiting request that reuses the id of one in flight (an aborted request's id, taken again). The
+        engine then plans again once `in_flight` is applied. Without `in_flight` it never returns None.
         """
         ahead = in_flight is not None
         feeds: dict[str, tuple[int, StepRow]] = {}
