@@ -19,7 +19,7 @@
 #define WLLM_FN(name) WLLM_CAT(name, WLLM_SYMBOL_SUFFIX)
 
 // Bumped whenever a signature below changes; the Python loader refuses a mismatched library.
-#define WLLM_ABI_VERSION 6
+#define WLLM_ABI_VERSION 7
 
 enum WllmStatus {
   WLLM_OK = 0,
@@ -167,6 +167,14 @@ WLLM_API int WLLM_FN(wllm_gemv_rotary_cache)(void* q_out, const void* x, const v
                                              int block_size, int num_heads, int num_kv_heads, int head_size,
                                              int64_t cache_block_stride, int64_t cache_token_stride,
                                              int64_t cache_head_stride, int is_neox, int dtype, void* stream);
+
+// Grammar masks (grammar.cu): for each row r of logits [num_rows, vocab] (row stride logits_stride, contiguous
+// columns) whose slot = mask_index[r] is >= 0 (mask_index int32 [num_rows] on the device; NULL: slot r), sets
+// logits[r, v] = -inf for every token v whose bit (bit v % 32 of word v / 32) in bitmask row `slot` (int32
+// [slots, mask_words], device) is 0; tokens past 32 * mask_words are masked too. fp32/fp16/bf16; in place.
+WLLM_API int WLLM_FN(wllm_apply_token_bitmask)(void* logits, const int32_t* bitmask, const int32_t* mask_index,
+                                               int64_t num_rows, int64_t vocab, int64_t logits_stride,
+                                               int64_t mask_words, int dtype, void* stream);
 
 // 1 when ptr is host memory a kernel can read and write at the same address (pinned with cudaHostAlloc,
 // unified addressing), else 0 (then use copies). Never fails.

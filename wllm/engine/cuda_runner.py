@@ -9,7 +9,9 @@ of up to 512 tokens (no prompt logprobs; a prompt forking n sequences takes n sa
 step runs eagerly through the same kernels. The decode graphs, and the prefill graphs of at most as
 many sequences, write their logits into one shared buffer, so the logprob matrices of requests that ask
 for logprobs are computed from it after the replay. The sampled token ids and their logprobs (plus the
-logprob matrices when a request asked for them) come back in one device-to-host sync.
+logprob matrices when a request asked for them) come back in one device-to-host sync. Steps with grammar
+rows run eagerly: their masks (filled on the host while the forward is queued) are uploaded and applied
+to a copy of the logits by the `apply_token_bitmask` kernel before the sampling kernel.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from wllm.engine.cuda_graphs import (
 from wllm.engine.gpu_sampler import SamplingBuffers, StagedBuffer, logprob_matrix, step_logprobs_from_row
 from wllm.engine.sampler import SampledToken, SamplingRow
 from wllm.engine.step_plan import RowResult, StepPlan, StepRow
-from wllm.kernels import decode_workspace_size, sample
+from wllm.kernels import apply_token_bitmask, decode_workspace_size, sample
 from wllm.kernels.ops import host_mapped, stage_copy
 
 logger = logging.getLogger(__name__)
@@ -380,7 +382,9 @@ class CudaStepRunner:
         num_decode = plan.num_decode
         one_token = plan.one_token  # every row has one new token: the decode kernel serves the step
         one_row_each = plan.one_sample_each  # sampling row i is row i (what a decode graph does)
-        graphable = not plan.prompt_tokens  # prompt logprobs' logits rows are a prompt's tokens: no graph
+        # Prompt logprobs' logits rows are a prompt's tokens, and grammar masks are applied between the logits
+        # and the sampler: both run eagerly.
+        graphable = not plan.prompt_tokens and not plan.grammar_rows
         feeds = (plan.feed_rows, plan.feed_tokens) if plan.in_flight else None
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         num_seqs = len(plan.rows)
@@ -577,9 +581,27 @@ class CudaStepRunner:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             return empty, empty.float(), prompt_mat, None
         sample_logits = logits[num_prompt:]
-        tokens, logprobs, _ = sample(sample_logits, **sampling)
+        if plan.masks is not None:
+            tokens, logprobs = self._sample_masked(plan, sample_logits, sampling)
+        else:
+            tokens, logprobs, _ = sample(sample_logits, **sampling)
         sample_mat = _logprob_matrix(sample_logits, tokens, rows, want_logprobs, self.device) if want_logprobs else None
         return tokens, logprobs, prompt_mat, sample_mat
+
+    def _sample_masked(self, plan: StepPlan, logits: torch.Tensor, sampling: dict[str, torch.Tensor | None],
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampling under grammar masks: the masks (filled on the host while the forward was queued) go up,
+        our kernel sets the forbidden tokens of a copy of the logits to -inf (the sampler's penalties and
+        temperature keep -inf), the sampler draws from the copy, and the reported logprobs are read from the
+        raw logits, as in an unconstrained step."""
+        assert plan.masks is not None and plan.sample_masks is not None
+        masks = plan.masks.wait().to(self.device, non_blocking=True)
+        index = torch.tensor(plan.sample_masks, dtype=torch.int32).to(self.device, non_blocking=True)
+        masked = logits.float().clone()
+        apply_token_bitmask(masked, masks, index)
+        tokens, _, _ = sample(masked, **sampling)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.view(-1, 1)).view(-1)
+        return tokens, logprobs
 
     @staticmethod
     def _results(plan: StepPlan, tokens: list[int], logprobs: list[float], want_logprobs: list[int],

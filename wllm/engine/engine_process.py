@@ -214,6 +214,8 @@ def _serve(engine: EngineCore, commands: Any, conn: Any, encode: Callable[[Any],
             else:
                 return
         deltas = engine.step_deltas()
+        for key, error in engine.take_rejected():  # a grammar that failed to compile in the child
+            conn.send_bytes(encode(Rejected(key, RemoteError.of(error), engine.stats())))
         conn.send_bytes(encode(StepOutputs(deltas, engine.stats(), engine.num_failed_steps)))
 
 

@@ -16,6 +16,13 @@ samples are placeholders whose values stay on the device; each row that decodes 
 order before N+1's forward, and its sampling row counts it (the random stream is keyed by the output
 position, so seeded results are the same as in turn). When N+1 needs a value only the host will have,
 `schedule()` says so (None) and the step runs in turn instead: launch, wait, apply, plan the next call.
+Constrained rows (`SamplingParams.grammar`): the engine compiles each grammar off its loop (a request waits,
+unscheduled, until its grammar is compiled; one that does not compile is refused), gives each sequence its own
+matcher, and before each launch starts filling the step's token masks in a worker thread, which the runner
+waits for only when it samples. A grammar row's mask needs its previous token on the host, so a step planned
+ahead leaves out the grammar rows whose token is in flight; they run in the step after (see
+docs/structured_output.md).
+
 Sequences that N ends by value (EOS, a stop token or string) or that are aborted while N+1 runs simply
 have N+1's result ignored, and their blocks are freed at once. Freeing early is safe: there is one
 stream, so whatever a later step writes into a freed block lands after N and N+1 are done with it; and
@@ -40,8 +47,10 @@ import time
 import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from operator import index
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -56,6 +65,10 @@ from wllm.model.pooling import PoolingConfig, resolve_pooling, task_of
 from wllm.outputs import CompletionOutput, DeltaEncoder, ListPrefix, RequestDelta, RequestOutput
 from wllm.pooling_params import PoolingParams
 from wllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from wllm.structured.compiler import CompiledGrammar, GrammarCompiler
+    from wllm.structured.masks import MaskFiller
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +205,18 @@ class LLMEngine:
         self.num_lookahead_steps = 0
         # The step launched with one in flight by the last `step()`, processed by the next one.
         self._inflight: tuple[StepPlan, StepHandle] | None = None
+        # Requests whose grammar is still compiling (not yet in the scheduler), and those whose grammar
+        # failed there, for `take_rejected`.
+        self._compiling: dict[str, tuple[RequestGroup, Future[CompiledGrammar]]] = {}
+        self._rejected: list[tuple[str, BaseException]] = []
+        self._grammar_compiler: GrammarCompiler | None = None
+        if tokenizer is not None:
+            from wllm.structured.compiler import GrammarCompiler
+
+            # A backstop deadline: the server compiles every grammar under its own (shorter) one first.
+            vocab = getattr(model_config, "vocab_size", None)
+            self._grammar_compiler = GrammarCompiler(tokenizer, vocab, self.eos_token_ids, timeout_s=60.0)
+        self._mask_filler: MaskFiller | None = None
         self.closed = False
         _open_engines.add(self)
         freeze_startup_objects()
@@ -235,6 +260,11 @@ class LLMEngine:
             self.scheduler.abort(request_id)
             self.scheduler.pop_finished_group(request_id)
         self._inflight = None
+        self._compiling.clear()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.close()
+        if self._mask_filler is not None:
+            self._mask_filler.close()
         self.closed = True
         _open_engines.discard(self)
         self.model = None
@@ -303,6 +333,45 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
 
+    # ----------------------------------------------------------------------------------- grammars
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler and cache (made on first use: it needs the tokenizer)."""
+        if self._grammar_compiler is None:
+            from wllm.structured.grammars import GrammarError
+
+            raise GrammarError("structured output needs a tokenizer; this engine has none")
+        return self._grammar_compiler
+
+    def _attach_grammar(self, group: RequestGroup, compiled: CompiledGrammar) -> None:
+        if self._mask_filler is None:
+            from wllm.structured.masks import MaskFiller
+
+            self._mask_filler = MaskFiller(self.grammar_compiler.ll_tokenizer.vocab_size,
+                                           pin_memory=self.worker.device.type == "cuda")
+        group.seqs[0].matcher = compiled.new_matcher()
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar has compiled into the scheduler; refuse those whose grammar failed.
+        With nothing else to run, wait a little for one to finish instead of spinning."""
+        if not self.scheduler.has_unfinished():
+            wait_futures([f for _, f in self._compiling.values()], timeout=0.02, return_when=FIRST_COMPLETED)
+        for request_id, (group, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                self._attach_grammar(group, future.result())
+                self.scheduler.add_group(group)
+            except Exception as e:  # GrammarError, QueueFullError, ...: the request's own error
+                self._rejected.append((request_id, e))
+
+    def _start_masks(self, plan: StepPlan) -> None:
+        """Start filling the masks of `plan`'s grammar rows (its runner waits for them when it samples)."""
+        seqs = self.scheduler.seqs
+        assert self._mask_filler is not None
+        plan.masks = self._mask_filler.start([seqs[row.seq_id].matcher for row in plan.grammar_rows])
+
     # ------------------------------------------------------------------------------------ requests
     def add_request(
         self,
@@ -354,10 +423,27 @@ class LLMEngine:
         group = RequestGroup(request_id, prompt_ids, params, priority=priority, cache_salt=cache_salt,
                              arrival_time=arrival_time, seed=self._rng.getrandbits(63), final_only=final_only,
                              pooling=pooling)
+        if params.grammar is not None:
+            # A GrammarError is a ValueError: bad input, refused like any other.
+            future = self.grammar_compiler.submit(params.grammar)
+            if not future.done():  # compiling off the loop: scheduled once it is done (`_admit_compiled`)
+                if request_id in self.scheduler.groups or request_id in self._compiling:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                self._compiling[request_id] = (group, future)
+                return
+            self._attach_grammar(group, future.result())
         self.scheduler.add_group(group)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now (its blocks are freed at once); returns its final output."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            group = compiling[0]
+            seq = group.seqs[0]
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            out = self._make_output(group)
+            group.release()
+            return out
         group = self.scheduler.abort(request_id)
         if group is None:
             return None
@@ -366,7 +452,7 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # ---------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -377,6 +463,8 @@ class LLMEngine:
         """
         self._check_open()
         outputs: list[RequestOutput] = []
+        if self._compiling:
+            self._admit_compiled()
         inflight, self._inflight = self._inflight, None
         if inflight is not None and not self._has_live_seqs(inflight[0]):
             # Every sequence of it ended (EOS, stop, abort) since it was launched: drop it unseen.
@@ -394,6 +482,8 @@ class LLMEngine:
         ahead: tuple[StepPlan, StepHandle] | None = None
         try:
             if handle is None:
+                if plan.grammar_rows:
+                    self._start_masks(plan)
                 handle = self.worker.launch(plan)
             if self.config.async_scheduling and self.worker.supports_in_flight:
                 ahead = self._launch_ahead(plan, handle)
@@ -439,6 +529,8 @@ class LLMEngine:
         if next_plan is None:
             return None
         try:
+            if next_plan.grammar_rows:
+                self._start_masks(next_plan)
             ahead = self.worker.launch(next_plan, handle)
         except Exception:
             # The step runs again from `schedule()` after this one: if it fails there too, it fails
@@ -533,6 +625,8 @@ class LLMEngine:
         """Run prompts to completion (convenience for tests and the offline API), in input order."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        for grammar in {p.grammar for p in params if p.grammar is not None}:
+            self.grammar_compiler.compile(grammar)  # a bad grammar raises here, before anything is queued
         base = f"gen-{self._rng.getrandbits(32):08x}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params):
@@ -563,8 +657,10 @@ class LLMEngine:
         return None if out is None else self._delta_encoder.encode(out)
 
     def take_rejected(self) -> list[tuple[str, BaseException]]:
-        """Always empty: `add_request` raises in its caller's thread."""
-        return []
+        """Requests refused after `add_request` returned: those whose grammar failed to compile (every other
+        refusal raises in `add_request`)."""
+        out, self._rejected = self._rejected, []
+        return out
 
     def is_alive(self) -> bool:
         return not self.closed

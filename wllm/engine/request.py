@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wllm.outputs import RequestMetrics, StepLogprobs
 from wllm.sampling_params import SamplingParams
@@ -69,6 +69,8 @@ class Sequence:
         # The scheduler's SamplingRow of this sequence: every field is fixed for its lifetime (the
         # output list is this sequence's own, growing list), so one object serves every step.
         self.sampling_row: SamplingRow | None = None
+        # The sequence's own grammar state (an llguidance.LLMatcher) under a grammar; forks get a copy.
+        self.matcher: Any = None
 
     @property
     def params(self) -> SamplingParams:

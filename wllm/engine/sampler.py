@@ -3,7 +3,8 @@
 Order of processing (per row): logit_bias, min_tokens masking (EOS and stop_token_ids get -inf
 until `min_tokens` outputs exist, unless `ignore_eos` for EOS), repetition penalty (prompt and
 output tokens: positive logits divided by the penalty, negative ones multiplied), frequency and
-presence penalties (output tokens: `logit -= frequency * count + presence * (count > 0)`);
+presence penalties (output tokens: `logit -= frequency * count + presence * (count > 0)`), the grammar
+mask (-inf for tokens a row's grammar forbids; temperature only scales, so masking before it is the same);
 then greedy rows take the argmax, and random rows apply temperature, top-k, top-p, min-p and
 draw with the exponential race `argmax(p / E)`, `E ~ Exp(1)`.
 
@@ -21,6 +22,7 @@ from collections.abc import Sequence as Seq
 import msgspec
 import torch
 
+from wllm.kernels.reference import apply_token_bitmask
 from wllm.outputs import StepLogprobs, TokenLogprob
 from wllm.sampling_params import SamplingParams
 
@@ -117,7 +119,9 @@ def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 class Sampler:
     """Samples one token per row; stateless apart from the device it runs on."""
 
-    def __call__(self, logits: torch.Tensor, rows: Seq[SamplingRow]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, rows: Seq[SamplingRow], masks: torch.Tensor | None = None,
+                 mask_index: Seq[int] | None = None) -> list[SampledToken]:
+        """`masks` [G, W] int32 grammar bitmasks and `mask_index` (per row: its mask row, -1 for none)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"sampler got {logits.shape[0]} logit rows for {len(rows)} sequences")
         if not rows:
@@ -126,6 +130,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = logits.clone()
         _apply_penalties(processed, rows)
+        if masks is not None and mask_index is not None:
+            apply_token_bitmask(processed, masks, torch.tensor(mask_index, dtype=torch.int32, device=logits.device))
         greedy_ids = torch.argmax(processed, dim=-1).tolist()
         out: list[SampledToken] = []
         for i, row in enumerate(rows):

@@ -244,19 +244,19 @@ class Scheduler:
         next chunk of a prompt), preempting the least important when the pool runs dry, then swapped-out
         ones, then waiting ones (`_admit_waiting`).
 
-        `in_flight`: a step launched whose results are not on the host yet (async scheduling). Its tokens
-        count as computed, and each of its samples is a placeholder token: the row that decodes it is fed
-        the value on the device (`StepRow.feed`) and its sampling row counts it as an output. Sequences its
-        token ends by length are left out (their blocks freed now, as applying it would free them); those
-        it ends by value (EOS, a stop token or string) or that are aborted meanwhile are planned, and their
-        result is dropped when applied. The blocks it completes are offered to the prefix cache before
-        admission, as applying it would. Returns None when the step needs what only the host will know
-        once `in_flight` is applied (`wait_reason` says what): block copies pending or sequences swapped
-        out, a fork in flight, a sequence that would need preempting, penalties on a placeholder (their
-        counts need its value), prompt logprobs (which positions a chunk reports depends on what the step
-        in flight reported), or a waiting request that reuses the id of one in flight (an aborted request's
-        id, taken again). The engine then plans again once `in_flight` is applied. Without `in_flight` it
-        never returns None.
+        `in_flight`: a step launched whose results are not on the host yet (async scheduling). Its tokens count
+        as computed, and each of its samples is a placeholder token: the row that decodes it is fed the value on
+        the device (`StepRow.feed`) and its sampling row counts it as an output. Sequences its token ends by
+        length are left out (their blocks freed now, as applying it would free them); those it ends by value
+        (EOS, a stop token or string) or that are aborted meanwhile are planned, and their result is dropped
+        when applied. The blocks it completes are offered to the prefix cache before admission, as applying it
+        would. A sequence under a grammar whose token is in flight is left out (its next mask needs that token's
+        value): it runs in the step after. Returns None when the step needs what only the host will know once
+        `in_flight` is applied (`wait_reason` says what): block copies pending or sequences swapped out, a fork
+        in flight, a sequence that would need preempting, penalties on a placeholder (their counts need its
+        value), prompt logprobs (which positions a chunk reports depends on what the step in flight reported),
+        or a waiting request that reuses the id of one in flight (an aborted request's id, taken again). The
+        engine then plans again once `in_flight` is applied. Without `in_flight` it never returns None.
         """
         ahead = in_flight is not None
         feeds: dict[str, tuple[int, StepRow]] = {}
@@ -287,7 +287,9 @@ class Scheduler:
                     r, row = found
                     start += len(row.token_ids)
                     if row.num_samples:
-                        if seq.seq_id in ended:
+                        if seq.seq_id in ended or seq.matcher is not None:
+                            # A grammar row's next mask needs the token in flight on the host: it sits this
+                            # step out and runs in the next one, planned with its token (the others go ahead).
                             i += 1
                             continue
                         total += 1
@@ -545,6 +547,13 @@ class Scheduler:
         return changed
 
     def _append(self, seq: Sequence, tok: SampledToken) -> None:
+        matcher = seq.matcher
+        if matcher is not None and not matcher.consume_token(tok.token_id):
+            # The mask allowed only tokens the grammar accepts: this is a bug, not the request's fault.
+            seq.group.error = f"the sampled token {tok.token_id} broke the grammar: {matcher.get_error()}"
+            seq.append_token(tok.token_id)
+            self.finish_seq(seq, "error")
+            return
         seq.append_token(tok.token_id)
         seq.cumulative_logprob += tok.logprob
         if seq.logprobs is not None and tok.logprobs is not None:
@@ -559,6 +568,8 @@ class Scheduler:
         children = []
         for tok in tokens:
             child = Sequence(group, len(group.seqs))
+            if parent.matcher is not None:  # the parent's has consumed nothing yet: each child starts fresh
+                child.matcher = parent.matcher.deep_copy()
             group.seqs.append(child)
             group.num_pending_forks -= 1
             self.seqs[child.seq_id] = child

@@ -17,17 +17,24 @@ Per row the plan carries what the model and the sampler need, and nothing about 
 
 Flat per step (`StepPlan.build` computes them once): the token index each sampling row reads its hidden
 state from, the token indices whose logits give prompt logprobs, and the feeds as (source row, token).
+Grammar slots are numbered here, in row order, for the rows that sample under a grammar: the engine fills
+slot g's mask from the matcher of `grammar_rows[g]` (`masks`, computed while the forward runs) and each
+sampling row reads slot `sample_masks[i]` (a fork's n rows share their row's slot).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from wllm.engine.sampler import SampledToken, SamplingRow
 from wllm.outputs import StepLogprobs
 from wllm.pooling_params import PoolingParams
+
+if TYPE_CHECKING:
+    from wllm.structured.masks import StepMasks
 
 
 class StepRow(msgspec.Struct):
@@ -69,7 +76,7 @@ class StepPlan:
     __slots__ = ("rows", "blocks_to_copy", "blocks_to_swap_out", "blocks_to_swap_in", "num_batched_tokens",
                  "in_flight", "num_tokens", "num_decode", "samples", "sample_owners", "sample_tokens",
                  "sample_ahead", "prompt_tokens", "feed_rows", "feed_tokens", "one_token", "one_sample_each",
-                 "pool_spans")
+                 "pool_spans", "grammar_rows", "sample_masks", "masks")
 
     rows: list[StepRow]
     blocks_to_copy: list[tuple[int, int]]  # (src, dst) GPU blocks, done first
@@ -89,6 +96,9 @@ class StepPlan:
     one_token: bool  # every row has one token (the decode kernel serves the whole step)
     one_sample_each: bool  # every row samples exactly once (sampling row i is row i)
     pool_spans: list[tuple[int, int, int]]  # pooling rows: (row index, first token index, tokens)
+    grammar_rows: list[StepRow]  # the rows of grammar slots 0, 1, ... (rows that sample under a grammar)
+    sample_masks: list[int] | None  # per sampling row: its grammar slot or -1 (None: no grammar in the step)
+    masks: StepMasks | None  # the slots' token masks, set by the engine before launch
 
     @classmethod
     def build(cls, rows: list[StepRow], blocks_to_copy: list[tuple[int, int]] | None = None,
@@ -116,6 +126,7 @@ class StepPlan:
         feed_tokens: list[int] = []
         one_token = one_sample_each = True
         pool_spans: list[tuple[int, int, int]] = []
+        grammar_rows: list[StepRow] = []
         t = 0
         for i, row in enumerate(rows):
             n = len(row.token_ids)
@@ -135,6 +146,9 @@ class StepPlan:
             if k:
                 sampling = row.sampling
                 assert sampling is not None
+                if sampling.params.grammar is not None:
+                    row.grammar = len(grammar_rows)
+                    grammar_rows.append(row)
                 samples.append(sampling)
                 owners.append(row.seq_id)
                 sample_tokens.append(t + n - 1)
@@ -150,6 +164,8 @@ class StepPlan:
         plan.feed_rows, plan.feed_tokens = feed_rows, feed_tokens
         plan.one_token, plan.one_sample_each = one_token, one_sample_each
         plan.pool_spans = pool_spans
+        plan.grammar_rows, plan.masks = grammar_rows, None
+        plan.sample_masks = [r.grammar for r in rows for _ in range(r.num_samples)] if grammar_rows else None
         # A fed row samples the position after its placeholder: its output list lacks that one token.
         if not feed_rows:
             plan.sample_ahead = 0

@@ -93,7 +93,8 @@ class StopChecker:
     """The one place that decides whether a sequence stops after its newest token, and why.
 
     In order: EOS ("stop", unless `ignore_eos` or fewer than `min_tokens` outputs), a stop token id
-    ("stop", the id), the length limit ("length": `max_tokens` outputs or `max_model_len` tokens). Then,
+    ("stop", the id), a grammar that is complete and allows no more tokens ("stop"), the length limit
+    ("length": `max_tokens` outputs or `max_model_len` tokens). Then,
     with a tokenizer, the token's text is decoded and a stop string that now matches wins over any of
     those ("stop", the string: the text is cut at it). EOS and stop token ids add no text.
     """
@@ -117,10 +118,14 @@ class StopChecker:
         token = outputs[-1]
         n_out = len(outputs)
         found: tuple[str, str | int | None] | None = None
+        text_token = False
         if not p.ignore_eos and token in self.eos_token_ids and n_out >= p.min_tokens:
             found = ("stop", None)
         elif token in p.stop_token_ids:
             found = ("stop", token)
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            found = ("stop", None)  # the grammar is complete and allows nothing more; the token is text
+            text_token = token not in self.eos_token_ids
         elif self.ends_by_length(p, n_out, seq.num_tokens):
             found = ("length", None)
         if self.tokenizer is None:
@@ -128,7 +133,7 @@ class StopChecker:
         state = seq.text_state
         if state is None:
             state = seq.text_state = TextState(self.tokenizer, seq.prompt_token_ids, p, defer=seq.group.final_only)
-        hit = state.append(token, n_out, decode_token=found is None or found[0] != "stop")
+        hit = state.append(token, n_out, decode_token=text_token or found is None or found[0] != "stop")
         if hit is not None:
             return ("stop", hit)
         if found is not None:

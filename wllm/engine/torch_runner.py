@@ -86,7 +86,9 @@ class TorchStepRunner:
                                                                     r.prompt_logprobs or 0)
                 p += n
         if plan.samples:
-            sampled = self.sampler(logits[num_prompt:], plan.samples)
+            # The grammar masks were filled on the host while the forward ran.
+            masks = plan.masks.wait() if plan.masks is not None else None
+            sampled = self.sampler(logits[num_prompt:], plan.samples, masks, plan.sample_masks)
             for owner, tok in zip(plan.sample_owners, sampled):
                 results[owner].sampled.append(tok)
         return results

@@ -87,6 +87,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(batch):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(batch)} prompts")
+        for grammar in {p.grammar for p in params_list if p.grammar is not None}:
+            self.engine.grammar_compiler.compile(grammar)  # a bad grammar raises here, before anything is queued
         ids = []
         try:
             for prompt, params in zip(batch, params_list):

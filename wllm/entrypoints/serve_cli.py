@@ -203,6 +203,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="longest prompt in characters (a rendered chat, or one completion prompt), refused "
                           "with a 400 before it is tokenized; default: 16 per token of --max-model-len")
     sec.add_argument("--max-n", type=_positive_int, default=16, help="largest `n` a request may ask for")
+    sec.add_argument("--grammar-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="deadline for compiling a request's structured-output grammar (past it: a 400)")
 
     obs = p.add_argument_group("observability")
     obs.add_argument("--log-format", default="text", choices=["text", "json"],
@@ -467,7 +469,7 @@ def run_serve(args: argparse.Namespace, control: ServeControl | None = None) -> 
             api_keys=keys, rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
             cors_origins=args.cors_origin, metrics_auth=args.metrics_auth, ui=args.ui,
             max_body_bytes=max(1, int(args.max_body_size * MiB)), max_prompt_chars=args.max_prompt_chars,
-            max_n=args.max_n)
+            max_n=args.max_n, grammar_timeout_s=args.grammar_timeout)
         connection_limits(args).validate()
         server_config.validate()
     except (APIKeyError, TracingSetupError, ValueError) as exc:

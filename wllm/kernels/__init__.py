@@ -26,12 +26,13 @@ from wllm.kernels.ops import (
     silu_and_mul,
 )
 from wllm.kernels.reference import rotary_cos_sin_cache
-from wllm.kernels.sampling import pack_sampling_rows, sample
+from wllm.kernels.sampling import apply_token_bitmask, pack_sampling_rows, sample
 
 __all__ = [
     "KernelError",
     "KernelLibraryError",
     "act_and_mul",
+    "apply_token_bitmask",
     "available",
     "build_info",
     "copy_blocks",

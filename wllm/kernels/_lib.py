@@ -17,7 +17,7 @@ from pathlib import Path
 
 LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 LIB_NAME = "wllm_kernels.dll" if sys.platform == "win32" else "libwllm_kernels.so"
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 WLLM_OK = 0
 WLLM_ERR_NO_KERNEL_IMAGE = 3
@@ -69,6 +69,8 @@ SIGNATURES: dict[str, list] = {
     "wllm_set_decode_tma": [c_int],
     "wllm_set_prefill_sm90": [c_int],
     "wllm_sample_workspace_size": [ctypes.POINTER(c_int64)],
+    # Grammar masks (grammar.cu).
+    "wllm_apply_token_bitmask": [c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int64, c_int, c_void_p],
     "wllm_sample": [c_void_p, c_int64, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p,
                     c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_int64, c_void_p],
 }

@@ -339,3 +339,33 @@ def sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Ten
         tokens[r] = torch.argmax(score)
     chosen = raw_lp.gather(1, tokens[:, None])[:, 0]
     return tokens, chosen, (raw_lp if return_logprobs else None)
+
+
+# Bit j of byte b, for unpacking masks a byte at a time (the int32 words are little-endian in memory).
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, mask_index: torch.Tensor | None = None) -> None:
+    """In place on logits [S, V]: -inf for each token a row's grammar mask does not allow. Row r uses mask
+    row mask_index[r] of bitmask [G, W] (int32, bit v % 32 of word v // 32 is token v), or none when that is
+    -1; without mask_index row r uses mask row r. Tokens past 32 W are masked."""
+    num_rows, vocab = logits.shape
+    if mask_index is None:
+        rows, slots = None, torch.arange(num_rows)
+    else:
+        index = mask_index.to("cpu", torch.long)
+        picked = torch.nonzero(index >= 0).flatten()
+        if picked.numel() == 0:
+            return
+        rows, slots = (None, index) if picked.numel() == num_rows else (picked, index[picked])
+    words = bitmask.to("cpu", torch.int32)[slots].contiguous()
+    # A byte table lookup, not 32 shifts per word: this runs on the CPU path every constrained step.
+    allowed = _BYTE_BITS[words.view(torch.uint8).long()].view(words.shape[0], -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    forbid = ~allowed[:, :vocab].to(logits.device)
+    if rows is None:
+        logits.masked_fill_(forbid, float("-inf"))
+    else:
+        rows = rows.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(forbid, float("-inf"))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from wllm.kernels import _lib, reference
-from wllm.kernels.ops import _is_compiling, _stream, persistent_workspace
+from wllm.kernels.ops import _dtype_code, _is_compiling, _stream, persistent_workspace
 
 
 def _cuda_sample(logits: torch.Tensor, params_f32: torch.Tensor, params_i64: torch.Tensor,
@@ -191,3 +191,41 @@ def pack_sampling_rows(rows: Sequence, device: torch.device | str = "cpu", vocab
     out["penalty_tokens"] = t(lists.pen_tok, torch.int32) if has_pen else None
     out["penalty_counts"] = t(lists.pen_cnt, torch.int32) if has_pen else None
     return out
+
+
+def _cuda_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, mask_index: torch.Tensor | None) -> None:
+    what = "apply_token_bitmask"
+    if logits.dim() != 2 or logits.stride(-1) != 1:
+        raise ValueError(f"{what}: logits must be [S, V] with a contiguous last dim")
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_contiguous() or \
+            bitmask.device != logits.device:
+        raise ValueError(f"{what}: bitmask must be contiguous int32 [G, W] on {logits.device}")
+    if mask_index is not None and (mask_index.dtype != torch.int32 or mask_index.shape != (logits.shape[0],)
+                                   or mask_index.device != logits.device):
+        raise ValueError(f"{what}: mask_index must be int32 [S] on {logits.device}")
+    lib = _lib.binding(logits.device.index or 0)
+    lib.check(lib.wllm_apply_token_bitmask(
+        logits.data_ptr(), bitmask.data_ptr(), mask_index.contiguous().data_ptr() if mask_index is not None else None,
+        logits.shape[0], logits.shape[1], logits.stride(0), bitmask.shape[1], _dtype_code(logits, what),
+        _stream(logits)), what)
+
+
+@torch.library.custom_op("wllm::apply_token_bitmask", mutates_args=("logits",))
+def apply_token_bitmask_op(logits: torch.Tensor, bitmask: torch.Tensor, mask_index: torch.Tensor | None) -> None:
+    _cuda_apply_token_bitmask(logits, bitmask, mask_index)
+
+
+@apply_token_bitmask_op.register_fake
+def _(logits: torch.Tensor, bitmask: torch.Tensor, mask_index: torch.Tensor | None) -> None:
+    return None
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, mask_index: torch.Tensor | None = None) -> None:
+    """Grammar masks, in place: -inf for every token the row's mask forbids (see
+    reference.apply_token_bitmask and wllm_apply_token_bitmask in csrc/api.h)."""
+    if not logits.is_cuda:
+        reference.apply_token_bitmask(logits, bitmask, mask_index)
+    elif _is_compiling():
+        apply_token_bitmask_op(logits, bitmask, mask_index)
+    else:
+        _cuda_apply_token_bitmask(logits, bitmask, mask_index)

@@ -33,6 +33,7 @@ class ServerConfig(msgspec.Struct, kw_only=True):
     max_stop_chars: int = 1024
     max_logit_bias: int = 1024
     max_logprobs: int = 20
+    grammar_timeout_s: float = 10.0  # deadline for compiling a request's grammar (structured output)
     retry_after_s: int = 1  # Retry-After sent with 503 when the queue is full or the engine is down
     tool_call_parser: str = "auto"  # tool-call format: auto (from the chat template) or a name in tool_parsers
     reasoning_parser: str = "auto"  # <think> reasoning: auto (from the chat template), none, qwen3, deepseek_r1
@@ -49,6 +50,8 @@ class ServerConfig(msgspec.Struct, kw_only=True):
         for name in ("max_body_bytes", "max_n", "max_stop", "max_stop_chars", "max_logit_bias", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.grammar_timeout_s > 0:
+            raise ValueError(f"grammar_timeout_s must be positive, got {self.grammar_timeout_s}")
         from wllm.entrypoints.openai.reasoning import REASONING_PARSER_CHOICES
         from wllm.entrypoints.openai.tool_parsers import TOOL_PARSER_CHOICES
 

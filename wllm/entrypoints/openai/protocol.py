@@ -91,6 +91,16 @@ class ChatMessage(_Strict, kw_only=True):
     function_call: Any = None
 
 
+class StructuredOutputs(_Strict, kw_only=True):
+    """vLLM's `structured_outputs` extra: at most one constraint (see wllm.structured.grammars)."""
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Strict, kw_only=True):
     """Fields shared by chat and text completions (OpenAI names plus vLLM extras)."""
 
@@ -126,6 +136,14 @@ class _SamplingFields(_Strict, kw_only=True):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    # Structured output (at most one of these; docs/structured_output.md): OpenAI's response_format, vLLM's
+    # guided_* extras and their newer `structured_outputs` shape.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -140,7 +158,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     # The deprecated functions API: refused when set (send `tools`).
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,6 +43,7 @@ from wllm.entrypoints.openai.serving_common import (
     clean_logprob,
     new_id,
     reject_unsupported,
+    request_grammar,
     resolve_max_tokens,
     unless_disconnected,
     usage_from,
@@ -121,41 +120,18 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     return list(rendered), None
 
 
-# A tool grammar that takes longer than this to check is refused (a hostile schema must not hold a worker).
-GRAMMAR_CHECK_TIMEOUT_S = 10.0
-# Agents send the same tools every turn: the verdict on each grammar is kept (least recently used out).
-_checked_grammars: OrderedDict[str, str] = OrderedDict()
-_CHECKED_MAX = 256
-
-
-async def check_grammar(grammar: str) -> None:
-    """400 with llguidance's reason when a tool grammar (really: a tool's parameter schema) does not compile."""
-    from llguidance import LLMatcher
-
-    error = _checked_grammars.get(grammar)
-    if error is None:
-        try:
-            error = await asyncio.wait_for(asyncio.to_thread(LLMatcher.validate_grammar, grammar),
-                                           GRAMMAR_CHECK_TIMEOUT_S)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
-            raise bad_request("The tools' parameter schemas took too long to compile; simplify them",
-                              param="tools") from None
-        _checked_grammars[grammar] = error
-        if len(_checked_grammars) > _CHECKED_MAX:
-            _checked_grammars.popitem(last=False)
-    else:
-        _checked_grammars.move_to_end(grammar)
-    if error:
-        raise bad_request(f"The tools' parameter schemas cannot be enforced: {error}", param="tools")
-
-
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, body_bytes: int = 0
                        ) -> tuple[list[int], ChatPlan]:
     """Tools, tool history and reasoning checked and planned; the prompt rendered and tokenized (off the
     event loop for a request body of `body_bytes` >= offload.OFFLOAD_BODY_BYTES)."""
     prompt_ids, plan = await ctx.prep.run(body_bytes, _plan_and_render, ctx, req)
     if plan.grammar is not None:
-        await check_grammar(plan.grammar)
+        # Compiled against the model's tokenizer by the engine's compiler (its cache, deadline and limits).
+        try:
+            await ctx.grammar_compiler().compile_async(plan.grammar)
+        except (ValueError, TypeError) as exc:  # GrammarError is a ValueError
+            raise bad_request(f"The tools' parameter schemas cannot be enforced: {exc}", param="tools",
+                              code="invalid_grammar") from None
     return prompt_ids, plan
 
 
@@ -202,8 +178,7 @@ class ChatStart:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = resolve_max_tokens(len(prompt_ids), requested, ctx.engine.max_model_len, "messages")
         self.params = build_sampling_params(ctx, req, max_tokens=max_tokens,
-                                            logprobs=self.top_n if req.logprobs else None)
-        self.params.grammar = plan.grammar
+                                            logprobs=self.top_n if req.logprobs else None, grammar=plan.grammar)
         if plan.special_markers:
             self.params.skip_special_tokens = False  # the markers the reply is split at are special tokens
         self.request_id = request_id or new_id("chatcmpl")
@@ -222,12 +197,18 @@ class ChatStart:
         if req.functions is not None or req.function_call is not None:
             field = "functions" if req.functions is not None else "function_call"
             raise bad_request(f"{field} (the deprecated functions API) is not supported; send tools", param=field)
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported by this "
-                              "server; only 'text' is", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         prompt_ids, plan = await prepare_chat(ctx, req, record.body_bytes)
+        grammar = await request_grammar(ctx, req)
+        if grammar is not None and plan.grammar is not None:
+            if req.tool_choice != "none":
+                raise bad_request("a structured-output constraint (response_format or guided_*) cannot be combined "
+                                  "with tools the model may call; send tool_choice 'none' or drop one",
+                                  param="response_format", code="invalid_grammar")
+            plan.grammar = None  # tool_choice none: the output grammar alone (it cannot start a tool call)
+        if grammar is not None:
+            plan.grammar = grammar
         return cls(ctx, req, request, record, prompt_ids, plan, request_id)
 
     def _parsed(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry.trace import Span
 
@@ -32,6 +33,9 @@ from wllm.observability.tracing import RequestTracer
 from wllm.outputs import OutputAccumulator, RequestDelta, RequestOutput, StepLogprobs
 from wllm.sampling_params import SamplingParams
 from wllm.version import __version__
+
+if TYPE_CHECKING:
+    from wllm.structured.compiler import GrammarCompiler
 
 T = TypeVar("T")
 
@@ -111,6 +115,7 @@ class ServerContext:
         else:
             self.keys, self.limiter, self.running, self.prep = root.keys, root.limiter, root.running, root.prep
             self._cut_aborts, self.models, self.by_name, self._root = root._cut_aborts, root.models, root.by_name, root
+        self._grammar_compiler: GrammarCompiler | None = None  # per model: its own tokenizer
         self.models.append(self)
         for name in config.served_model_names:
             if name in self.by_name:
@@ -150,6 +155,23 @@ class ServerContext:
     def healthy(self) -> bool:
         """Every model's engine is running."""
         return all(c.engine.is_healthy() for c in self.models)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler requests' grammars are checked with: the engine's own when it runs in this process
+        (one cache for both), else one for the server built from the engine's tokenizer."""
+        if self._grammar_compiler is None:
+            from wllm.structured.compiler import GrammarCompiler
+
+            core = getattr(self.engine, "engine", None)  # AsyncEngine's core: an LLMEngine in this process?
+            own = getattr(core, "_grammar_compiler", None)
+            if own is not None:
+                own.timeout_s = self.config.grammar_timeout_s
+            else:
+                tok = self.engine.tokenizer
+                own = GrammarCompiler(tok, getattr(tok, "vocab_size", None), getattr(tok, "eos_token_ids", ()) or (),
+                                      timeout_s=self.config.grammar_timeout_s)
+            self._grammar_compiler = own
+        return self._grammar_compiler
 
     def cut_requests(self) -> int:
         """End every running request now, for a shutdown whose drain timeout ran out; how many HTTP
@@ -272,6 +294,50 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
     return requested
 
 
+def _grammar_sources(req: Any) -> list[tuple[str, Callable[[], str | None]]]:
+    """The structured-output fields a request sets, each with the builder of its grammar."""
+    from wllm.structured import grammars as g
+
+    found: list[tuple[str, Callable[[], str | None]]] = []
+    if req.response_format is not None:
+        found.append(("response_format", lambda: g.response_format_grammar(req.response_format)))
+    for name, build in (("guided_json", g.json_schema_grammar), ("guided_regex", g.regex_grammar),
+                        ("guided_choice", g.choice_grammar), ("guided_grammar", g.gbnf_grammar)):
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, functools.partial(build, value)))
+    so = req.structured_outputs
+    if so is not None:
+        for name, build in (("json", g.json_schema_grammar), ("regex", g.regex_grammar),
+                            ("choice", g.choice_grammar), ("grammar", g.gbnf_grammar)):
+            value = getattr(so, name)
+            if value is not None:
+                found.append((f"structured_outputs.{name}", functools.partial(build, value)))
+        if so.json_object:
+            found.append(("structured_outputs.json_object", g.json_object_grammar))
+    return found
+
+
+async def request_grammar(ctx: ServerContext, req: Any) -> str | None:
+    """The llguidance grammar a request's structured-output fields ask for (None: unconstrained), compiled
+    here, off the event loop, before the engine sees it: any problem is a 400 naming the field and the reason."""
+    sources = _grammar_sources(req)
+    if not sources:
+        return None
+    if len(sources) > 1:
+        names = ", ".join(name for name, _ in sources)
+        raise bad_request(f"set at most one structured-output constraint; this request sets {names}",
+                          param=sources[1][0], code="invalid_grammar")
+    name, build = sources[0]
+    try:
+        grammar = build()
+        if grammar is not None:
+            await ctx.grammar_compiler().compile_async(grammar)
+    except (ValueError, TypeError) as exc:  # GrammarError is a ValueError, as llguidance's own reports are
+        raise bad_request(f"{name}: {exc}", param=name, code="invalid_grammar") from None
+    return grammar
+
+
 def reject_unsupported(req: Any) -> None:
     """400 for the sampling fields chat and completions declare but do not implement, when set."""
     if req.use_beam_search:
@@ -285,7 +351,7 @@ def reject_unsupported(req: Any) -> None:
 
 
 def build_sampling_params(ctx: ServerContext, req: Any, *, max_tokens: int, logprobs: int | None,
-                          prompt_logprobs: int | None = None) -> SamplingParams:
+                          prompt_logprobs: int | None = None, grammar: str | None = None) -> SamplingParams:
     """SamplingParams from the fields chat and completions share, with the server's bounds enforced."""
     cfg = ctx.config
     if not 1 <= req.n <= cfg.max_n:
@@ -348,6 +414,7 @@ def build_sampling_params(ctx: ServerContext, req: Any, *, max_tokens: int, logp
         beam_width=width,
         length_penalty=req.length_penalty,
         early_stopping=req.early_stopping,
+        grammar=grammar,
     )
     if params.temperature > 2.0 + 1e-9 and req.temperature is not None:
         raise bad_request(f"temperature must be in [0, 2], got {req.temperature}", param="temperature")

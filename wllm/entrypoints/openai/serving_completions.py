@@ -23,6 +23,7 @@ from wllm.entrypoints.openai.serving_common import (
     clean_logprob,
     new_id,
     reject_unsupported,
+    request_grammar,
     resolve_max_tokens,
     unless_disconnected,
     usage_from,
@@ -151,10 +152,12 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
     request_id = new_id("cmpl")
     record.request_id = request_id
     runs: list[EngineRun] = []
+    grammar = await request_grammar(ctx, req)
     for i, ids in enumerate(prompt_ids):
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, ctx.engine.max_model_len, "prompt")
         params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_n,
-                                       prompt_logprobs=top_n if req.echo and top_n is not None else None)
+                                       prompt_logprobs=top_n if req.echo and top_n is not None else None,
+                                       grammar=grammar)
         runs.append(EngineRun(ctx, record, ids, params, f"{request_id}-{i}", priority=req.priority,
                               cache_salt=req.cache_salt))
     n, model, created = req.n, ctx.model_name, int(time.time())
