@@ -23,12 +23,6 @@ pytestmark = pytest.mark.slow
 KEY = "sk-e2e-apis"
 QUESTION = "What is the capital of France?"
 SYSTEM = "You are a helpful assistant."
-# Tool calls are parsed and tool_choice required / any is accepted (tests/test_api_*.py check the round trips on
-# the scripted engine); a 135M model only calls reliably once the engine enforces the tool grammar.
-NEEDS_GRAMMARS = (
-    "needs grammar enforcement in the engine: tool_choice required / any sets SamplingParams.grammar, "
-    "not yet applied to sampling (constrained decoding, branch wt-grammar)"
-)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
 
@@ -173,7 +167,6 @@ def test_readme_examples_run(server: ServerProcess, capsys: pytest.CaptureFixtur
     assert "Paris" in capsys.readouterr().out
 
 
-@pytest.mark.skip(reason=NEEDS_GRAMMARS)
 def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
     tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}]
     r = oai.responses.create(
@@ -200,7 +193,6 @@ def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
     assert done.output_text
 
 
-@pytest.mark.skip(reason=NEEDS_GRAMMARS)
 def test_messages_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
     ask = [{"role": "user", "content": "Weather in Paris?"}]

@@ -21,11 +21,6 @@ from wllm.model.default_model import default_model_path
 
 pytestmark = pytest.mark.slow
 
-NEEDS_GRAMMARS = pytest.mark.skip(
-    reason="needs grammar enforcement in the engine: SamplingParams.grammar is set but "
-    "not yet applied to sampling (constrained decoding, branch wt-grammar)"
-)
-
 WEATHER_PARAMS = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -111,7 +106,6 @@ def test_second_turn_with_the_tool_result_answers(client: openai.OpenAI) -> None
         )
 
 
-@NEEDS_GRAMMARS
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_required_and_named_always_yield_a_schema_valid_call(client: openai.OpenAI, choice: Any) -> None:
     for seed in range(3):
@@ -141,7 +135,6 @@ def test_required_and_named_always_yield_a_schema_valid_call(client: openai.Open
     assert stream_message(client, **kw) == (as_plain(whole.choices[0].message), "tool_calls")
 
 
-@NEEDS_GRAMMARS
 def test_round_trip_call_then_answer(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model="SmolLM2-135M-Instruct",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -120,18 +122,42 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: list[
     return list(rendered), None
 
 
+# A tool grammar that takes longer than this to check is refused (a hostile schema must not hold a worker).
+GRAMMAR_CHECK_TIMEOUT_S = 10.0
+# Agents send the same tools every turn: the verdict on each grammar is kept (least recently used out).
+_checked_grammars: OrderedDict[str, str] = OrderedDict()
+_CHECKED_MAX = 256
+
+
+async def check_grammar(grammar: str) -> None:
+    """400 with llguidance's reason when a tool grammar (really: a tool's parameter schema) does not compile."""
+    from llguidance import LLMatcher
+
+    error = _checked_grammars.get(grammar)
+    if error is None:
+        try:
+            error = await asyncio.wait_for(asyncio.to_thread(LLMatcher.validate_grammar, grammar),
+                                           GRAMMAR_CHECK_TIMEOUT_S)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
+            raise bad_request("The tools' parameter schemas took too long to compile; simplify them",
+                              param="tools") from None
+        _checked_grammars[grammar] = error
+        if len(_checked_grammars) > _CHECKED_MAX:
+            _checked_grammars.popitem(last=False)
+    else:
+        _checked_grammars.move_to_end(grammar)
+    if error:
+        raise bad_request(f"The tools' parameter schemas cannot be enforced: {error}", param="tools")
+
+
 async def prepare_chat(ctx: ServerContext, req: ChatCompletionRequest, body_bytes: int = 0
                        ) -> tuple[list[int], ChatPlan]:
     """Tools, tool history and reasoning checked and planned; the prompt rendered and tokenized (off the
     event loop for a request body of `body_bytes` >= offload.OFFLOAD_BODY_BYTES)."""
     prompt_ids, plan = await ctx.prep.run(body_bytes, _plan_and_render, ctx, req)
     if plan.grammar is not None:
-        # Compiled against the model's tokenizer by the engine's compiler (its cache, deadline and limits).
-        try:
-            await ctx.grammar_compiler().compile_async(plan.grammar)
-        except (ValueError, TypeError) as exc:  # GrammarError is a ValueError
-            raise bad_request(f"The tools' parameter schemas cannot be enforced: {exc}", param="tools",
-                              code="invalid_grammar") from None
+        # Checked without a tokenizer here (any engine's); the engine compiles it for its own vocabulary.
+        await check_grammar(plan.grammar)
     return prompt_ids, plan
 
 
