@@ -94,6 +94,7 @@ def test_the_loader_check_on_cuda_uses_the_limit(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 * GiB, 141 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(
         multi_processor_count=132))
     config, _ = _meta_plan("llama-3.1-8b")
@@ -145,3 +146,18 @@ def test_a_limit_on_the_card_shrinks_the_kv_cache_and_refuses_what_does_not_fit(
     assert 0 < blocks_capped < blocks_free
     with pytest.raises(ModelLoadError, match="GiB of weights.*--gpu-memory-limit 0.50 GiB"):
         LLM("llama-3.1-8b", load_format="dummy", gpu_memory_limit=GiB // 2)
+
+
+def test_a_second_model_counts_what_the_first_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several models in one server load one after another: what the first holds is not the second's."""
+    from wllm.engine.memory_plan import gpu_budget
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (25 * GiB, 141 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 115 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 115 * GiB)
+    budget = gpu_budget(torch.device("cuda", 0), 0.9, None)
+    assert budget.bytes == int(141 * GiB * 0.9) - GiB - 115 * GiB
+    assert "115.00 GiB held by the models loaded before" in budget.describe()
+    _, plan = _meta_plan("llama-3.1-8b")
+    with pytest.raises(InsufficientMemoryError, match="held by the models loaded before"):
+        plan.check(budget, 4096)

@@ -9,6 +9,7 @@ the engine checks the longest sequence again against the blocks it got.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,17 +55,24 @@ class GpuBudget:
     utilization: float
     used_by_others: int
     device: str
+    held_by_wllm: int = 0  # models this server loaded before this one
 
     def describe(self) -> str:
         cap = f"--gpu-memory-limit {gib(self.limit)}" if self.limit is not None else f"{gib(self.total)} total"
+        held = f", {gib(self.held_by_wllm)} held by the models loaded before" if self.held_by_wllm else ""
         return (f"{gib(self.bytes)} is available on {self.device} ({cap} x utilization {self.utilization:g}, "
-                f"{gib(self.used_by_others)} used by other processes)")
+                f"{gib(self.used_by_others)} used by other processes{held})")
 
 
 def gpu_budget(device: torch.device, utilization: float, limit: int | None) -> GpuBudget:
-    """What wLLM may use on `device` now: min(total, limit) x utilization, less what other processes hold."""
+    """What a model about to load may use on `device`: min(total, limit) x utilization, less what other
+    processes hold and what this process has allocated already (the models served before it)."""
     free, total = torch.cuda.mem_get_info(device)
-    return budget_from(total, free + torch.cuda.memory_reserved(device), utilization, limit, str(device))
+    budget = budget_from(total, free + torch.cuda.memory_reserved(device), utilization, limit, str(device))
+    held = torch.cuda.memory_allocated(device)
+    if not held:
+        return budget
+    return dataclasses.replace(budget, bytes=budget.bytes - held, held_by_wllm=held)
 
 
 def budget_from(total: int, free: int, utilization: float, limit: int | None, device: str) -> GpuBudget:
