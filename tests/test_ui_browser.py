@@ -3,14 +3,16 @@ Selenium, against a real `wllm serve` on the embedded SmolLM2 with API keys on (
 the engine view's stats need the key too).
 
 It asks for a key, chats (a streamed greedy answer that names Paris), stops a long reply (the server's
-running gauge returns to 0), and fires concurrent requests while the engine view's counters and charts
-move. Screenshots of both views go to artifacts/ui/ at the repository root (git-ignored; .ci/run has no
+running gauge returns to 0), answers in JSON schema mode, makes a tool call and answers it with a tool
+result, and fires concurrent requests while the engine view's counters and charts move. Screenshots go to
+artifacts/ui/ at the repository root (git-ignored; .ci/run has no
 artifact folder of its own, so CI keeps that one). Without Chromium the tests skip, unless
 WLLM_REQUIRE_BROWSER=1 (set by .ci/run), where that is a failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -55,6 +57,7 @@ from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
+from selenium.webdriver.support.ui import Select  # noqa: E402
 
 
 def wait_for(what: str, check: Callable[[], T | None], timeout: float = 120.0, every: float = 0.1) -> T:
@@ -129,6 +132,36 @@ def set_value(d: WebDriver, element_id: str, value: str) -> None:
     d.execute_script("arguments[0].dispatchEvent(new Event('change'))", field)
 
 
+def choose(d: WebDriver, element_id: str, value: str) -> None:
+    Select(by_id(d, element_id)).select_by_value(value)  # fires change, as a user's pick does
+
+
+def reset_chat(d: WebDriver) -> None:
+    """A new chat with plain text replies and no tools (the browser keeps settings between tests)."""
+    by_id(d, "new-chat").click()
+    choose(d, "response-format", "text")
+    set_value(d, "tools", "")
+    choose(d, "tool-choice", "auto")
+    if not by_id(d, "parallel-tool-calls").is_selected():
+        by_id(d, "parallel-tool-calls").click()
+
+
+def stored_chat(d: WebDriver) -> dict[str, Any]:
+    return json.loads(d.execute_script("return localStorage.getItem('wllm.chat')"))
+
+
+def finished(d: WebDriver, count: int) -> tuple[str, str]:
+    """(state, text) of the newest assistant message once there are `count` and the last one ended."""
+    return wait_for(
+        f"assistant reply {count}",
+        lambda: (
+            len(d.find_elements(By.CSS_SELECTOR, "#messages .message.assistant")) == count
+            and (r := last_reply(d))[0] in ("done", "error", "stopped")
+            and r
+        ),
+    )
+
+
 def last_reply(d: WebDriver) -> tuple[str, str]:
     """(state, text) of the newest assistant message."""
     found = d.find_elements(By.CSS_SELECTOR, "#messages .message.assistant")
@@ -145,6 +178,9 @@ def no_console_errors(d: WebDriver) -> None:
 
 def open_page(d: WebDriver, server: ServerProcess, view: str = "chat") -> None:
     d.get(f"{server.root}/#{view}")
+    if not d.execute_script("return localStorage.getItem('wllm.apiKey')"):  # run alone: the first test sets it
+        d.execute_script("localStorage.setItem('wllm.apiKey', arguments[0])", KEY)
+        d.refresh()
     wait_for("the model list", lambda: d.find_elements(By.CSS_SELECTOR, "#model option"), timeout=30)
 
 
@@ -279,3 +315,140 @@ def test_engine_view_moves_while_concurrent_requests_run(driver: WebDriver, serv
     if not shot:
         d.save_screenshot(str(ARTIFACTS / "engine.png"))
     no_console_errors(d)
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_json_schema_mode_streams_a_reply_that_parses(driver: WebDriver, server: ServerProcess) -> None:
+    d = driver
+    open_page(d, server)
+    reset_chat(d)
+    set_value(d, "temperature", "0")
+    set_value(d, "max-tokens", "64")
+    assert not by_id(d, "json-schema-field").is_displayed()
+    choose(d, "response-format", "json_schema")
+    assert by_id(d, "json-schema-field").is_displayed()
+    # Invalid JSON in the schema box is a message in the page, and nothing is sent.
+    set_value(d, "json-schema", '{"type": "object", "properties": ')
+    by_id(d, "prompt").send_keys("Which city is the Eiffel Tower in?")
+    by_id(d, "send").click()
+    assert "the JSON schema is not valid JSON" in by_id(d, "chat-error").text
+    assert by_id(d, "json-schema").get_attribute("aria-invalid") == "true"
+    assert not d.find_elements(By.CSS_SELECTOR, "#messages .message")
+    set_value(d, "json-schema", json.dumps(SCHEMA))
+    by_id(d, "send").click()
+    state, text = finished(d, 1)
+    assert state == "done", text
+    assert by_id(d, "chat-error").text == ""
+    reply = json.loads(text)  # the grammar holds the reply to the schema
+    assert isinstance(reply, dict) and isinstance(reply["city"], str), reply
+    node = d.find_elements(By.CSS_SELECTOR, "#messages .message.assistant")[-1]
+    assert node.find_elements(By.CSS_SELECTOR, ".content pre code"), "a JSON reply is shown as code, verbatim"
+    d.save_screenshot(str(ARTIFACTS / "chat-json.png"))
+    # The mode and the schema are settings like the others: a reload brings them back.
+    d.refresh()
+    wait_for("the restored conversation", lambda: last_reply(d)[1] == text, 30)
+    assert by_id(d, "response-format").get_attribute("value") == "json_schema"
+    assert json.loads(by_id(d, "json-schema").get_attribute("value")) == SCHEMA
+    assert by_id(d, "json-schema-field").is_displayed()
+    no_console_errors(d)
+    reset_chat(d)
+
+
+def test_tool_call_is_rendered_and_answered_with_a_tool_result(driver: WebDriver, server: ServerProcess) -> None:
+    d = driver
+    open_page(d, server)
+    reset_chat(d)
+    set_value(d, "temperature", "0")
+    set_value(d, "max-tokens", "64")
+    by_id(d, "prompt").send_keys("What is the weather like in Paris?")
+    for bad, says in (("[{", "the tool definitions is not valid JSON"), ('{"type": "function"}', "JSON array")):
+        set_value(d, "tools", bad)
+        by_id(d, "send").click()
+        assert says in by_id(d, "chat-error").text
+        assert not d.find_elements(By.CSS_SELECTOR, "#messages .message")
+    set_value(d, "tools", json.dumps([WEATHER_TOOL], indent=2))
+    choose(d, "tool-choice", "required")
+    by_id(d, "parallel-tool-calls").click()  # one call, then the reply ends (parallel_tool_calls: false)
+    by_id(d, "send").click()
+    state, _ = finished(d, 1)
+    assert state == "done", by_id(d, "chat-error").text
+    node = d.find_elements(By.CSS_SELECTOR, "#messages .message.assistant")[-1]
+    calls = node.find_elements(By.CSS_SELECTOR, ".tool-call")
+    assert len(calls) == 1
+    assert calls[0].find_element(By.CSS_SELECTOR, ".tool-name").text == "get_weather"
+    args = json.loads(calls[0].find_element(By.CSS_SELECTOR, ".tool-args").text)
+    assert isinstance(args["city"], str), args
+    assert "tool_calls" in node.find_element(By.CSS_SELECTOR, ".meta").text
+    # The stored turn is OpenAI's shape: the assistant message keeps its tool_calls.
+    stored = stored_chat(d)["messages"]
+    call = stored[1]["tool_calls"][0]
+    assert call["id"] and call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])
+    d.save_screenshot(str(ARTIFACTS / "chat-tool-call.png"))
+
+    # Answer the call; tool_choice none so that the next reply is text rather than another call.
+    choose(d, "tool-choice", "none")
+    boxes = node.find_elements(By.CSS_SELECTOR, ".tool-result")
+    assert len(boxes) == len(calls)
+    node.find_element(By.CSS_SELECTOR, ".tool-send").click()
+    assert "type the result of get_weather first" in by_id(d, "chat-error").text
+    for box in boxes:
+        box.send_keys('{"city": "Paris", "forecast": "sunny", "temperature_c": 22}')
+    node.find_element(By.CSS_SELECTOR, ".tool-send").click()
+    state, text = finished(d, 2)
+    assert state == "done" and text.strip(), (state, text, by_id(d, "chat-error").text)
+    roles = [m.get_attribute("class") for m in d.find_elements(By.CSS_SELECTOR, "#messages .message")]
+    assert roles == ["message user", "message assistant"] + ["message tool"] * len(calls) + ["message assistant"]
+    assert "get_weather" in d.find_element(By.CSS_SELECTOR, "#messages .message.tool .role").text
+    assert not d.find_elements(By.CSS_SELECTOR, ".tool-result"), "answered calls offer no result boxes"
+    stored = stored_chat(d)["messages"]
+    assert stored[2]["role"] == "tool" and stored[2]["tool_call_id"] == call["id"]
+    d.save_screenshot(str(ARTIFACTS / "chat-tool-result.png"))
+    d.refresh()
+    wait_for("the restored conversation", lambda: last_reply(d)[1] == text, 30)
+    assert d.find_element(By.CSS_SELECTOR, "#messages .tool-name").text == "get_weather"
+    assert by_id(d, "tool-choice").get_attribute("value") == "none"
+    assert not by_id(d, "parallel-tool-calls").is_selected()
+    assert json.loads(by_id(d, "tools").get_attribute("value")) == [WEATHER_TOOL]
+    no_console_errors(d)
+    reset_chat(d)
+
+
+def test_tool_calls_and_json_replies_are_shown_as_text(driver: WebDriver, server: ServerProcess) -> None:
+    d = driver
+    open_page(d, server)
+    hostile = '<img src=x onerror="window.pwned=1"><b>x</b>'
+    args = json.dumps({"city": hostile})
+    chat = {
+        "settings": {},
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": hostile, "format": "json", "state": "done"},
+            {
+                "role": "assistant",
+                "content": None,
+                "state": "done",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": hostile, "arguments": args}}],
+            },
+        ],
+    }
+    d.execute_script("localStorage.setItem('wllm.chat', arguments[0])", json.dumps(chat))
+    d.refresh()
+    wait_for("the tool call", lambda: d.find_elements(By.CSS_SELECTOR, "#messages .tool-call"), 30)
+    box = by_id(d, "messages")
+    assert not box.find_elements(By.CSS_SELECTOR, "img, b")
+    assert d.find_element(By.CSS_SELECTOR, "#messages .tool-name").text == hostile
+    assert d.find_element(By.CSS_SELECTOR, "#messages .tool-args").text == args
+    assert d.find_elements(By.CSS_SELECTOR, "#messages .message.assistant .content")[0].text == hostile
+    assert "Result of" in d.find_element(By.CSS_SELECTOR, "#messages .tool-results").text
+    assert d.execute_script("return window.pwned === undefined")
+    reset_chat(d)

@@ -94,9 +94,11 @@ export async function* events(response) {
   throw new APIError(0, "the stream ended before [DONE]");
 }
 
-// Stream one chat completion; calls onDelta(text) for each piece of content; resolves to
-// {usage, finishReason}. Abort through `signal` (the server then aborts the engine request).
-export async function streamChat(body, { signal, onDelta }) {
+// Stream one chat completion; calls onDelta(text) for each piece of content and onToolCall(delta) for
+// each `delta.tool_calls` entry ({index, id, function: {name, arguments}}, the id and name on a call's
+// first entry, argument text after); resolves to {usage, finishReason}. Abort through `signal` (the
+// server then aborts the engine request).
+export async function streamChat(body, { signal, onDelta, onToolCall }) {
   const response = await request("/v1/chat/completions", {
     method: "POST", signal, body: { ...body, stream: true, stream_options: { include_usage: true } },
   });
@@ -106,6 +108,9 @@ export async function streamChat(body, { signal, onDelta }) {
     if (chunk.usage) usage = chunk.usage;
     for (const choice of chunk.choices || []) {
       if (choice.delta && choice.delta.content) onDelta(choice.delta.content);
+      if (choice.delta && Array.isArray(choice.delta.tool_calls) && onToolCall) {
+        for (const call of choice.delta.tool_calls) onToolCall(call);
+      }
       if (choice.finish_reason) finishReason = choice.finish_reason;
     }
   }
