@@ -572,20 +572,24 @@ class Scheduler:
                 child.matcher = parent.matcher.deep_copy()
             group.seqs.append(child)
             group.num_pending_forks -= 1
-            self.seqs[child.seq_id] = child
-            copy = self.kv.fork(parent, child)
-            if copy is False:
-                # No block for the private copy of the last block: recompute this child instead.
-                child.status = SequenceStatus.WAITING
-                self.waiting.push(child, front=True)
-            else:
-                if copy is not None:
-                    self._pending_copies.append(copy)
-                child.status = SequenceStatus.RUNNING
-                self.running.append(child)
+            self._place_child(parent, child, on_device=True)
             self._append(child, tok)
             children.append(child)
         return children
+
+    def _place_child(self, parent: Sequence, child: Sequence, on_device: bool) -> None:
+        """A new fork (n > 1 or a beam) shares its parent's blocks, with a private copy of the partial last
+        block; with no block free for that copy (or the parent not on the device) it recomputes instead."""
+        self.seqs[child.seq_id] = child
+        copy = self.kv.fork(parent, child) if on_device else False
+        if copy is False:
+            child.status = SequenceStatus.WAITING
+            self.waiting.push(child, front=True)
+        else:
+            if copy is not None:
+                self._pending_copies.append(copy)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
 
     # ------------------------------------------------------------------------------- beam search
     def _beam_sampled(self, seq: Sequence, row: StepRow, tok: SampledToken) -> list[Sequence]:
@@ -629,17 +633,7 @@ class Scheduler:
                 child = Sequence(group, beam.next_index, parent.output_token_ids)
                 beam.next_index += 1
                 child.num_cached_tokens = parent.num_cached_tokens
-                self.seqs[child.seq_id] = child
-                copy = self.kv.fork(parent, child) if parent.status is SequenceStatus.RUNNING else False
-                if copy is False:
-                    # No block for the copy of the last block (or the parent is not on the device): recompute.
-                    child.status = SequenceStatus.WAITING
-                    self.waiting.push(child, front=True)
-                else:
-                    if copy is not None:
-                        self._pending_copies.append(copy)
-                    child.status = SequenceStatus.RUNNING
-                    self.running.append(child)
+                self._place_child(parent, child, on_device=parent.status is SequenceStatus.RUNNING)
                 new[j] = child
             new[js[0]] = parent
         for j, (_, token, score) in enumerate(chosen):
