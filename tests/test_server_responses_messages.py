@@ -179,9 +179,11 @@ def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
     )
     [call] = [o for o in r.output if o.type == "function_call"]
     assert call.name == "get_weather"
+    # The answer after the result: tool_choice none, or a greedy 135M model calls the tool again.
     done = oai.responses.create(
         model=DEFAULT_MODEL_NAME,
         tools=tools,
+        tool_choice="none",
         temperature=0,
         max_output_tokens=32,
         input=[
@@ -197,13 +199,15 @@ def test_messages_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": WEATHER}]
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     m = claude.messages.create(
-        model=DEFAULT_MODEL_NAME, messages=ask, tools=tools, tool_choice={"type": "any"}, max_tokens=64
+        model=DEFAULT_MODEL_NAME, messages=ask, tools=tools, max_tokens=64,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
     )
     [use] = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and use.name == "get_weather"
     done = claude.messages.create(
         model=DEFAULT_MODEL_NAME,
         tools=tools,
+        tool_choice={"type": "none"},
         max_tokens=32,
         messages=[
             *ask,

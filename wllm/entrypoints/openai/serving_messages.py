@@ -149,7 +149,7 @@ def by_path(handler: Callable[[Request[Any, Any, Any], Any], Response[Any]]) -> 
 
     def handle(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         path = request.scope["path"]
-        if any(path == p or path.startswith(p + "/") for p in MESSAGES_PATHS):
+        if any(path == p or (path.startswith(p) and path[len(p)] == "/") for p in MESSAGES_PATHS):  # URL paths
             return anthropic(request, exc)
         return handler(request, exc)
 
