@@ -94,9 +94,14 @@ def random_folder(shape: str, root: Path, dtype: torch.dtype) -> Path:
     return folder
 
 
-def texts(n: int, words: int) -> list[str]:
+def texts(n: int, words: int, mixed: bool = False) -> list[str]:
+    """`n` texts of `words` words (`mixed`: from words/4 to 2*words words, spread over the corpus)."""
     vocab = "the of and to in is was for on that with as by at from his her an which or be are this".split()
-    return [" ".join(vocab[(i * 7 + j * 3) % len(vocab)] for j in range(words)) + f" {i}" for i in range(n)]
+
+    def size(i: int) -> int:
+        return words // 4 + (i * 37) % (2 * words - words // 4 + 1) if mixed else words
+
+    return [" ".join(vocab[(i * 7 + j * 3) % len(vocab)] for j in range(size(i))) + f" {i}" for i in range(n)]
 
 
 def timed(fn: Any, batch: list[str], size: int, repeats: int, sync: Any) -> float:
@@ -125,6 +130,7 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="default: float32 on the CPU, float16 on CUDA")
     p.add_argument("--num-texts", type=int, default=256)
     p.add_argument("--words", type=int, default=24)
+    p.add_argument("--mixed", action="store_true", help="texts of words/4 to 2*words words instead of all alike")
     p.add_argument("--batch", type=int, action="append", default=[])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -135,7 +141,7 @@ def main() -> None:
     dtype_name = args.dtype or ("float16" if args.device.startswith("cuda") else "float32")
     dtype = getattr(torch, dtype_name)
     batches = args.batch or [1, 64]
-    corpus = texts(args.num_texts, args.words)
+    corpus = texts(args.num_texts, args.words, args.mixed)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
     from wllm import LLM
@@ -143,7 +149,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folders = [(s, random_folder(s, Path(tmp), dtype)) for s in args.shape] or [("all-MiniLM-L6-v2", minilm_path())]
         print(
-            f"device {args.device}, {dtype_name}, {args.num_texts} texts of ~{args.words} words, "
+            f"device {args.device}, {dtype_name}, {args.num_texts} texts of "
+            f"{'words/4 to 2x ' if args.mixed else '~'}{args.words} words, "
             f"torch threads {torch.get_num_threads()}"
         )
         print(f"{'model':<18} {'batch':>5} {'wLLM texts/s':>13} {'ST texts/s':>11} {'ratio':>6}")

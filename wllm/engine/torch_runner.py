@@ -3,7 +3,8 @@
 It turns a `StepPlan` into flattened `input_ids[T]`, `positions[T]` and a `PagedAttentionContext`, runs
 the forward pass, computes logits only for the rows the plan names (sampled rows and prompt positions
 whose logprobs were asked for) and samples with the PyTorch `Sampler`, all before `launch` returns. Rows of
-pooling requests are pooled instead (`wllm.model.pooling.pool`): the embedding or score is the row's result.
+pooling requests are pooled instead (`wllm.model.pooling.pool`): the embedding or score is the row's result; a
+step of pooling rows attends through `PoolingAttentionContext` (batched, no KV cache writes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from wllm.engine.paged_attention import PagedAttentionContext
+from wllm.engine.pooling_attention import PoolingAttentionContext
 from wllm.engine.sampler import Sampler, prompt_logprobs
 from wllm.engine.step_plan import RowResult, StepPlan
 from wllm.model.pooling import PoolingConfig, pool
@@ -37,7 +39,13 @@ class TorchStepRunner:
         device = scratch.device
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.arange(num_tokens, device=device) % max_model_len
-        ctx = PagedAttentionContext(scratch, [list(range(scratch.shape[2]))], [0], [num_tokens])
+        ctx: PagedAttentionContext | PoolingAttentionContext
+        if getattr(model, "pooling", None) is not None:
+            # A pooling step runs through the batched context: its fullest step, prompts of max_model_len tokens.
+            full, rest = divmod(num_tokens, max_model_len)
+            ctx = PoolingAttentionContext([max_model_len] * full + [rest] * (rest > 0), device)
+        else:
+            ctx = PagedAttentionContext(scratch, [list(range(scratch.shape[2]))], [0], [num_tokens])
         hidden = model(ids, positions, ctx)
         model.compute_logits(hidden[-num_rows:])
 
@@ -57,8 +65,13 @@ class TorchStepRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         rows = plan.rows
-        ctx = PagedAttentionContext(self.kv_cache, [r.block_ids for r in rows], [r.start_pos for r in rows],
-                                    [len(r.token_ids) for r in rows])
+        ctx: PagedAttentionContext | PoolingAttentionContext
+        if len(plan.pool_spans) == len(rows) and all(r.start_pos == 0 for r in rows):
+            # Whole prompts that no later step reads: batched attention, nothing written to the cache.
+            ctx = PoolingAttentionContext([len(r.token_ids) for r in rows], device)
+        else:
+            ctx = PagedAttentionContext(self.kv_cache, [r.block_ids for r in rows], [r.start_pos for r in rows],
+                                        [len(r.token_ids) for r in rows])
         if any(r.token_type_start >= 0 for r in rows):
             # A cross-encoder's pairs: token type 1 from the second text on (pooling rows are whole prompts).
             types = [int(i >= r.token_type_start >= 0) for r in rows for i in range(len(r.token_ids))]
