@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,18 +144,14 @@ def select_gguf(repo_id: str, files: list[str], selector: str | None) -> list[st
 
 def download_gguf(repo_id: str, selector: str | None, revision: str | None = None) -> Path:
     """Download (or find in the HF cache) one GGUF model of a hub repo; returns its (first) file."""
-    try:
-        from huggingface_hub import HfApi, hf_hub_download, snapshot_download
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
-    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
-        raise ModelLoadError(f"{repo_id}: huggingface_hub is needed to download models ({e})") from None
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
     offline = _offline()
-    try:
+    why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+    ref = repo_id + (f":{selector}" if selector else "")
+    not_cached = (f"{repo_id}: not in the local Hugging Face cache and {why}; "
+                  f"run `wllm pull {ref}` with network access")
+    with _hub_errors(repo_id, revision, not_cached):
         if offline:  # what the cache holds of this repo
             folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=["*.gguf"],
                                             local_files_only=True))
@@ -163,11 +161,23 @@ def download_gguf(repo_id: str, selector: str | None, revision: str | None = Non
         parts = select_gguf(repo_id, files, selector)
         # Each file: resumable (a partial download continues), verified and kept in the HF cache.
         paths = [Path(hf_hub_download(repo_id, part, revision=revision, local_files_only=offline)) for part in parts]
+    return paths[0]
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None, not_cached: str) -> Iterator[None]:
+    """huggingface_hub's failures as ModelLoadErrors naming the repo (`not_cached`: the offline/unreachable one)."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
     except LocalEntryNotFoundError:
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
-        ref = repo_id + (f":{selector}" if selector else "")
-        raise ModelLoadError(f"{repo_id}: not in the local Hugging Face cache and {why}; "
-                             f"run `wllm pull {ref}` with network access") from None
+        raise ModelLoadError(not_cached) from None
     except GatedRepoError:
         raise ModelLoadError(f"{repo_id}: gated repository; accept its licence and set HF_TOKEN") from None
     except RepositoryNotFoundError:
@@ -176,7 +186,6 @@ def download_gguf(repo_id: str, selector: str | None, revision: str | None = Non
         raise ModelLoadError(f"{repo_id}: revision {revision!r} not found") from None
     except OSError as e:
         raise ModelLoadError(f"{repo_id}: download failed ({e})") from None
-    return paths[0]
 
 
 def _offline() -> bool:
@@ -185,36 +194,16 @@ def _offline() -> bool:
 
 def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
     """snapshot_download of the files we need; clear errors for offline / missing repos."""
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
-    except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
-        raise ModelLoadError(f"{repo_id}: huggingface_hub is needed to download models ({e})") from None
+    from huggingface_hub import snapshot_download
+
     offline = _offline()
-    try:
+    not_cached = (f"{repo_id}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download it once "
+                  "with network access or pass a local folder" if offline
+                  else f"{repo_id}: could not reach the Hugging Face Hub and the model is not cached")
+    with _hub_errors(repo_id, revision, not_cached):
         folder = snapshot_download(
             repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS, local_files_only=offline
         )
-    except LocalEntryNotFoundError:
-        if offline:
-            raise ModelLoadError(
-                f"{repo_id}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
-                "download it once with network access or pass a local folder"
-            ) from None
-        raise ModelLoadError(f"{repo_id}: could not reach the Hugging Face Hub and the model is not cached") from None
-    except GatedRepoError:
-        raise ModelLoadError(f"{repo_id}: gated repository; accept its licence and set HF_TOKEN") from None
-    except RepositoryNotFoundError:
-        raise ModelLoadError(f"{repo_id}: no such model on the Hugging Face Hub (or it is private)") from None
-    except RevisionNotFoundError:
-        raise ModelLoadError(f"{repo_id}: revision {revision!r} not found") from None
-    except OSError as e:
-        raise ModelLoadError(f"{repo_id}: download failed ({e})") from None
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise NoConfigError(f"{repo_id}: the repository has no config.json; supported: HF transformers models")
