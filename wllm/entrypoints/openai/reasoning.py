@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from wllm.entrypoints.openai.text_edges import WS, hold_edge_ws
 from wllm.entrypoints.openai.tool_parsers.base import ContentDelta, _partial_suffix
 
-_WS = " \t\r\n"
 # What --reasoning-parser accepts; the named ones all read <think>...</think>.
 REASONING_PARSER_CHOICES = ("auto", "none", "qwen3", "deepseek_r1")
 _THINK = ("<think>", "</think>")
@@ -82,24 +82,16 @@ class ReasoningParser:
 
     def _reasoning(self, out: list[ReasoningDelta | ContentDelta], text: str) -> None:
         # Whitespace at the block's edges is layout, not reasoning.
-        if self.skip_ws:
-            text = text.lstrip(_WS)
-            if not text:
-                return
-            self.skip_ws = False
-        body = text.rstrip(_WS)
-        if not body:
-            self.pending_ws += text
-            return
-        out.append(ReasoningDelta(self.pending_ws + body))
-        self.pending_ws = text[len(body) :]
+        emit, self.skip_ws, self.pending_ws = hold_edge_ws(text, self.skip_ws, self.pending_ws)
+        if emit:
+            out.append(ReasoningDelta(emit))
 
     def _run(self, out: list[ReasoningDelta | ContentDelta], final: bool) -> None:
         fmt, buf = self.fmt, self.buf
         while True:
             rest = buf[self.pos :]
             if self.mode == "start":
-                lead = rest.lstrip(_WS)
+                lead = rest.lstrip(WS)
                 if lead.startswith(fmt.start):
                     self.pos += len(rest) - len(lead) + len(fmt.start)
                     self.mode, self.skip_ws = "reasoning", True
@@ -122,7 +114,7 @@ class ReasoningParser:
                     self.pending_ws = ""
                 return
             if self.mode == "after":
-                lead = rest.lstrip(_WS)
+                lead = rest.lstrip(WS)
                 if not lead and not final:
                     return  # whitespace after the block is layout: wait for the content
                 self.pos = len(buf) - len(lead)

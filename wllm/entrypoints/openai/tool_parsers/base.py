@@ -27,9 +27,9 @@ import string
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from wllm.entrypoints.openai.text_edges import WS, hold_edge_ws
 from wllm.structured.tools import ToolFormat
 
-_WS = " \t\r\n"
 _NAME = re.compile(r"[A-Za-z0-9_-]*")
 _ALNUM = string.ascii_letters + string.digits
 
@@ -121,12 +121,12 @@ class _ObjectScan:
                 continue
             state = self.state
             if state == "scalar":
-                if c in _WS or c in ",}":
+                if c in WS or c in ",}":
                     self._close_value(i)
                     continue  # the same character again, after the value
                 i += 1
                 continue
-            if c in _WS:
+            if c in WS:
                 i += 1
                 continue
             if state == "key":
@@ -220,19 +220,9 @@ class ToolCallParser:
 
     def _content(self, out: list[ToolEvent], text: str) -> None:
         """Content text, holding back trailing whitespace (it is dropped if a call follows)."""
-        if not text:
-            return
-        if self.skip_ws:
-            text = text.lstrip(_WS)
-            if not text:
-                return
-            self.skip_ws = False
-        body = text.rstrip(_WS)
-        if not body:
-            self.pending_ws += text
-            return
-        out.append(ContentDelta(self.pending_ws + body))
-        self.pending_ws = text[len(body) :]
+        emit, self.skip_ws, self.pending_ws = hold_edge_ws(text, self.skip_ws, self.pending_ws)
+        if emit:
+            out.append(ContentDelta(emit))
 
     def _start_region(self, region: int) -> None:
         self.region = region
@@ -249,7 +239,7 @@ class ToolCallParser:
             if mode == "content":
                 if fmt.layout == "bare" and not self.started and self.calls == 0:
                     j = self.pos
-                    while j < n and buf[j] in _WS:
+                    while j < n and buf[j] in WS:
                         j += 1
                     if j == n:
                         return  # only whitespace so far: may still become a call
@@ -278,11 +268,11 @@ class ToolCallParser:
                 k = buf.find(marker, self.pos)
                 if k < 0:
                     hold = 0 if final else _partial_suffix(buf, self.pos, marker)
-                    if not final and _NAME.fullmatch(buf[self.pos : n - hold].strip(_WS)):
+                    if not final and _NAME.fullmatch(buf[self.pos : n - hold].strip(WS)):
                         return  # the name so far
                     self._not_a_call(out, self.pos)
                     continue
-                name = buf[self.pos : k].strip(_WS)
+                name = buf[self.pos : k].strip(WS)
                 if name not in self.tool_names:
                     self._not_a_call(out, self.pos)
                     continue
@@ -291,7 +281,7 @@ class ToolCallParser:
                 continue
             if mode == "args":  # named layout: the arguments object
                 j = self.pos
-                while j < n and buf[j] in _WS:
+                while j < n and buf[j] in WS:
                     j += 1
                 if j == n:
                     return
@@ -304,7 +294,7 @@ class ToolCallParser:
                 continue
             if mode in ("lead", "elements", "after"):
                 j = self.pos
-                while j < n and buf[j] in _WS:
+                while j < n and buf[j] in WS:
                     j += 1
                 if j == n:
                     return
@@ -320,7 +310,7 @@ class ToolCallParser:
                     continue
                 if mode == "after":
                     if fmt.layout == "tagged":
-                        close = fmt.call_close.strip(_WS)
+                        close = fmt.call_close.strip(WS)
                         if buf.startswith(close, j):
                             self._end_calls(j + len(close))
                             continue
@@ -335,7 +325,7 @@ class ToolCallParser:
                         self._end_calls(j + 1 if c == "]" else j)
                         continue
                     # bare: the separator, then another call or the end of the calls
-                    sep = fmt.separator.strip(_WS)
+                    sep = fmt.separator.strip(WS)
                     if sep and buf.startswith(sep, j):
                         self.pos, self.mode = j + len(sep), "lead"
                         continue
