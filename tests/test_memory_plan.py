@@ -90,7 +90,7 @@ def test_the_loader_check_on_cuda_uses_the_limit(monkeypatch: pytest.MonkeyPatch
     from types import SimpleNamespace
 
     from wllm.engine.config import engine_config_from_kwargs
-    from wllm.engine.llm_engine import _gpu_memory_check
+    from wllm.engine.memory_plan import loader_check as _gpu_memory_check
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 * GiB, 141 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)

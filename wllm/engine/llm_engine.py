@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from wllm.engine.config import EngineConfig, default_batched_tokens, engine_config_from_kwargs
+from wllm.engine.memory_plan import loader_check
 from wllm.engine.request import RequestGroup, SequenceStatus
 from wllm.engine.scheduler import Scheduler
 from wllm.engine.step_plan import StepPlan
@@ -121,30 +122,6 @@ def collect_garbage_if_due() -> bool:
         return False
     gc.collect(2)
     return True
-
-
-def _gpu_memory_check(config: EngineConfig, device: torch.device) -> Any:
-    """The loader's pre-allocation check on CUDA: weights + the largest step + one sequence of max_model_len
-    (asked for, else up to 1024 tokens of the model's) must fit what wLLM may use of the card."""
-    from wllm.engine.memory_plan import gpu_budget, plan_for
-
-    def check(model: nn.Module, model_config: Any, dtype: torch.dtype) -> None:
-        sched, cache = config.scheduler, config.cache
-        dev = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        tokens = sched.max_num_batched_tokens or default_batched_tokens("cuda", sms)
-        plan = plan_for(model, model_config, dtype, name="the model", block_size=cache.block_size,
-                        max_num_batched_tokens=tokens, max_num_seqs=sched.max_num_seqs,
-                        graphs=not config.enforce_eager)
-        if sched.max_model_len is not None:
-            length = sched.max_model_len
-        else:
-            length = min(model_config.max_position_embeddings, 1024)
-        if cache.num_gpu_blocks is not None:
-            length = max(length, cache.num_gpu_blocks * cache.block_size)
-        plan.check(gpu_budget(dev, cache.gpu_memory_utilization, cache.gpu_memory_limit), length)
-
-    return check
 
 
 class LLMEngine:
@@ -308,7 +285,7 @@ class LLMEngine:
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        memory_check = _gpu_memory_check(config, torch.device(device)) if torch.device(device).type == "cuda" else None
+        memory_check = loader_check(config, torch.device(device)) if torch.device(device).type == "cuda" else None
         loaded = load_model(model, dtype=config.dtype, device=device, load_format=load_format,
                             revision=revision, quantization=quantization, memory_check=memory_check)
         tok_source = tokenizer or loaded.tokenizer_path

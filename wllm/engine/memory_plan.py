@@ -119,14 +119,14 @@ class MemoryPlan:
                 f"{max_model_len}-token sequence = {gib(need)}; {budget.describe()}.")
         fits = self.tokens_that_fit(budget.bytes)
         if fits >= min(max_model_len, 256):
-            hint = f" At --max-model-len {_round_down(fits)} it fits."
+            hint = f" At --max-model-len {round_context(fits)} it fits."
         else:
             hint = (" It does not fit even with a short context: use a smaller or quantized model, or raise "
                     "--gpu-memory-limit / --gpu-memory-utilization.")
         raise InsufficientMemoryError(what + hint)
 
 
-def _round_down(tokens: int) -> int:
+def round_context(tokens: int) -> int:
     """A friendlier context length: a multiple of 256 when there is room for one."""
     return tokens // 256 * 256 if tokens >= 256 else tokens
 
@@ -139,3 +139,27 @@ def plan_for(model: torch.nn.Module, config: Any, dtype: torch.dtype, *, name: s
     rows = max(1, min(max_num_batched_tokens, max_num_seqs))
     act = activation_bytes(config, dtype, max_num_batched_tokens, rows) + (GRAPH_RESERVE if graphs else 0)
     return MemoryPlan(name, dtype, weights, kv_bytes_per_token(config, dtype), act, block_size)
+
+
+def loader_check(config: Any, device: torch.device) -> Any:
+    """The loader's pre-allocation check on CUDA: weights + the largest step + one sequence of max_model_len
+    (asked for, else up to 1024 tokens of the model's) must fit what wLLM may use of the card."""
+    from wllm.engine.config import default_batched_tokens
+
+    def check(model: torch.nn.Module, model_config: Any, dtype: torch.dtype) -> None:
+        sched, cache = config.scheduler, config.cache
+        dev = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        tokens = sched.max_num_batched_tokens or default_batched_tokens("cuda", sms)
+        plan = plan_for(model, model_config, dtype, name="the model", block_size=cache.block_size,
+                        max_num_batched_tokens=tokens, max_num_seqs=sched.max_num_seqs,
+                        graphs=not config.enforce_eager)
+        if sched.max_model_len is not None:
+            length = sched.max_model_len
+        else:
+            length = min(model_config.max_position_embeddings, 1024)
+        if cache.num_gpu_blocks is not None:
+            length = max(length, cache.num_gpu_blocks * cache.block_size)
+        plan.check(gpu_budget(dev, cache.gpu_memory_utilization, cache.gpu_memory_limit), length)
+
+    return check

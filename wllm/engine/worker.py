@@ -19,7 +19,7 @@ from wllm import kernels
 from wllm.engine.config import CacheConfig, GiB
 from wllm.engine.cuda_attention import cuda_attention_unsupported
 from wllm.engine.cuda_runner import CudaStepRunner
-from wllm.engine.memory_plan import InsufficientMemoryError, budget_from, gib
+from wllm.engine.memory_plan import InsufficientMemoryError, budget_from, gib, round_context
 from wllm.engine.paged_attention import allocate_kv_cache, copy_blocks, kv_cache_bytes_per_block, swap_blocks
 from wllm.engine.step_plan import RowResult, StepPlan
 from wllm.engine.torch_runner import TorchStepRunner
@@ -101,7 +101,7 @@ class Worker:
         where = ("kv_cache_memory" if self.device.type != "cuda"
                  else "gpu_memory_utilization / gpu_memory_limit" if cache_config.num_gpu_blocks is None
                  else "num_gpu_blocks")
-        fit = capacity // 256 * 256 if capacity >= 256 else capacity
+        fit = round_context(capacity)
         raise InsufficientMemoryError(
             f"max_model_len {self.max_model_len} needs {need} KV-cache blocks of {self.block_size} tokens "
             f"({gib(need * self.block_bytes)}), but {self.num_gpu_blocks} fit on {self.device} "
